@@ -1,0 +1,223 @@
+import re
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText
+
+from vlm_grpo.model import FastBaseVisionModel, FastVisionModel, select_lora_modules
+from vlm_grpo.tiny import TINY_FAMILIES
+
+LANG_ATTN = {f"model.language_model.layers.N.self_attn.{p}_proj" for p in "qkvo"}
+LANG_MLP = {f"model.language_model.layers.N.mlp.{p}_proj" for p in ("gate", "up", "down")}
+SIGLIP_ATTN = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"}
+# The layers each flag must select, per family: (vision attention, vision MLP, language attention, language MLP).
+EXPECTED = {
+    "qwen2_5_vl": (
+        {"model.visual.blocks.N.attn.qkv", "model.visual.blocks.N.attn.proj"},
+        {f"model.visual.blocks.N.mlp.{p}_proj" for p in ("gate", "up", "down")}
+        | {"model.visual.merger.mlp.0", "model.visual.merger.mlp.2"},
+        LANG_ATTN,
+        LANG_MLP,
+    ),
+    "qwen2_vl": (
+        {"model.visual.blocks.N.attn.qkv", "model.visual.blocks.N.attn.proj"},
+        {"model.visual.blocks.N.mlp.fc1", "model.visual.blocks.N.mlp.fc2", "model.visual.merger.mlp.0",
+         "model.visual.merger.mlp.2"},
+        LANG_ATTN,
+        LANG_MLP,
+    ),  # fmt: skip
+    "qwen3_vl": (
+        {"model.visual.blocks.N.attn.qkv", "model.visual.blocks.N.attn.proj"},
+        {"model.visual.blocks.N.mlp.linear_fc1", "model.visual.blocks.N.mlp.linear_fc2",
+         "model.visual.merger.linear_fc1", "model.visual.merger.linear_fc2",
+         "model.visual.deepstack_merger_list.N.linear_fc1", "model.visual.deepstack_merger_list.N.linear_fc2"},
+        LANG_ATTN,
+        LANG_MLP,
+    ),  # fmt: skip
+    "gemma3": (
+        {f"model.vision_tower.encoder.layers.N.{p}" for p in SIGLIP_ATTN},
+        {"model.vision_tower.encoder.layers.N.mlp.fc1", "model.vision_tower.encoder.layers.N.mlp.fc2"},
+        LANG_ATTN,
+        LANG_MLP,
+    ),
+    "idefics3": (
+        {f"model.vision_model.encoder.layers.N.{p}" for p in SIGLIP_ATTN},
+        {"model.vision_model.encoder.layers.N.mlp.fc1", "model.vision_model.encoder.layers.N.mlp.fc2",
+         "model.connector.modality_projection.proj"},
+        {n.replace("language_model", "text_model") for n in LANG_ATTN},
+        {n.replace("language_model", "text_model") for n in LANG_MLP},
+    ),  # fmt: skip
+}
+FLAGS = {  # (vision, language, attention, mlp) -> which EXPECTED entries
+    "vision_attention": ((True, False, True, False), (0,)),
+    "vision_mlp": ((True, False, False, True), (1,)),
+    "language_attention": ((False, True, True, False), (2,)),
+    "language_mlp": ((False, True, False, True), (3,)),
+    "all": ((True, True, True, True), (0, 1, 2, 3)),
+}
+
+
+def _pattern(names):
+    return {re.sub(r"\.\d+\.", ".N.", re.sub(r"^base_model\.model\.", "", n)) for n in names}
+
+
+def _image_inputs(processor, n=1):
+    messages = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}]] * n
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    images = [[Image.new("RGB", (56, 56), (0, 0, 255))] for _ in range(n)]
+    return processor(text=text, images=images, return_tensors="pt", padding=True)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+@pytest.mark.parametrize("selection", FLAGS)
+def test_flags_select_exactly_the_expected_layers(tiny_dir, family, selection):
+    (vision, language, attention, mlp), parts = FLAGS[selection]
+    model = AutoModelForImageTextToText.from_pretrained(tiny_dir(family))
+    names = select_lora_modules(
+        model,
+        finetune_vision_layers=vision,
+        finetune_language_layers=language,
+        finetune_attention_modules=attention,
+        finetune_mlp_modules=mlp,
+    )
+    expected = set().union(*(EXPECTED[family][i] for i in parts))
+    assert _pattern(names) == expected
+    assert not any("lm_head" in n or "embed" in n for n in names)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "idefics3"])
+def test_get_peft_model_wraps_exactly_the_selection(tiny_dir, family):
+    model, _ = FastVisionModel.from_pretrained(tiny_dir(family))
+    peft_model = FastVisionModel.get_peft_model(model, r=8, lora_alpha=16, finetune_language_layers=False)
+    wrapped = {n for n, m in peft_model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+    assert _pattern(wrapped) == EXPECTED[family][0] | EXPECTED[family][1]
+    trainable = {n for n, p in peft_model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert peft_model.peft_config["default"].r == 8
+
+
+def test_target_modules_override_flags(tiny_dir):
+    model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    peft_model = FastVisionModel.get_peft_model(model, r=4, target_modules=["q_proj", "v_proj"])
+    wrapped = _pattern(n for n, m in peft_model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A)
+    assert wrapped == {"model.language_model.layers.N.self_attn.q_proj", "model.language_model.layers.N.self_attn.v_proj"}
+
+
+def test_modes_switch_and_are_idempotent(tiny_dir):
+    model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    model = FastVisionModel.get_peft_model(model, r=4)
+
+    def checkpointing():
+        return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+    assert model.training and checkpointing() and model.config.use_cache is False
+    for _ in range(2):
+        processor.tokenizer.padding_side = "right"
+        assert FastVisionModel.for_inference(model) is model
+        assert not model.training and not checkpointing() and model.config.use_cache is True
+        assert processor.tokenizer.padding_side == "left"
+    for _ in range(2):
+        assert FastVisionModel.for_training(model) is model
+        assert model.training and checkpointing() and model.config.use_cache is False
+    FastVisionModel.for_training(model, use_gradient_checkpointing=False)
+    assert model.training and not checkpointing()
+
+
+def test_from_pretrained_defaults_and_pixel_budget(tiny_dir):
+    model, processor = FastBaseVisionModel.from_pretrained(
+        tiny_dir("qwen2_5_vl"), max_seq_length=512, min_pixels=28 * 28, max_pixels=56 * 56
+    )
+    assert model.dtype == torch.float32  # CPU default
+    assert model.max_seq_length == 512
+    assert not any(p.requires_grad for p in model.parameters())  # frozen until get_peft_model
+    size = processor.image_processor.size
+    assert (size.shortest_edge, size.longest_edge) == (784, 3136)
+    big = processor(text=["<|image_pad|>"], images=[Image.new("RGB", (224, 224))], return_tensors="pt")
+    assert big["image_grid_thw"].prod().item() <= 3136 // (14 * 14)  # 224x224 shrunk to the budget
+    full, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"), full_finetuning=True, dtype="bfloat16")
+    assert full.dtype == torch.bfloat16 and all(p.requires_grad for p in full.parameters()) and full.training
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+def test_save_pretrained_merged_reproduces_peft_logits(tiny_dir, tmp_path, family):
+    model, processor = FastVisionModel.from_pretrained(tiny_dir(family))
+    # Non-zero lora_B (PEFT's init_lora_weights=False), so an export that dropped the adapters would differ.
+    model = FastVisionModel.get_peft_model(model, r=4, init_lora_weights=False)
+    FastVisionModel.for_inference(model)
+    inputs = _image_inputs(processor)
+    with torch.no_grad():
+        peft_logits = model(**inputs).logits
+        with model.disable_adapter():
+            base_logits = model(**inputs).logits
+    assert (peft_logits - base_logits).abs().max() > 1e-2
+    out = FastVisionModel.save_pretrained_merged(model, processor, tmp_path / "merged", dtype=torch.float32)
+    reloaded = AutoModelForImageTextToText.from_pretrained(out).eval()
+    assert "lora" not in " ".join(n for n, _ in reloaded.named_parameters())
+    with torch.no_grad():
+        merged_logits = reloaded(**inputs).logits
+    torch.testing.assert_close(merged_logits, peft_logits, atol=1e-4, rtol=1e-4)
+    # The training model keeps its adapters, and 16-bit export loads too.
+    assert any("lora_A" in n for n, _ in model.named_parameters())
+    out16 = FastVisionModel.save_pretrained_merged(model, processor, tmp_path / "merged16")
+    assert AutoModelForImageTextToText.from_pretrained(out16).dtype == torch.float16
+    assert not list((tmp_path).glob(".merged*tmp*"))  # no temporary directory left behind
+
+
+def test_missing_path_names_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        FastVisionModel.from_pretrained(str(tmp_path / "nope" / "model"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        FastVisionModel.from_pretrained(str(tmp_path))
+
+
+def test_text_only_checkpoint_is_rejected(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    Qwen2ForCausalLM(
+        Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=1)
+    ).save_pretrained(tmp_path)  # fmt: skip
+    with pytest.raises(ValueError, match="not a vision-language model"):
+        FastVisionModel.from_pretrained(str(tmp_path))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+@pytest.mark.parametrize("flag", ["load_in_4bit", "load_in_8bit"])
+def test_quantisation_without_cuda_is_refused(tiny_dir, flag):
+    with pytest.raises(RuntimeError, match="CUDA"):
+        FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"), **{flag: True})
+
+
+def test_quantisation_without_bitsandbytes_names_the_extra(tiny_dir, monkeypatch):
+    import builtins
+
+    import vlm_grpo.model as model_module
+
+    real_import = builtins.__import__
+
+    def no_bnb(name, *args, **kwargs):
+        if name == "bitsandbytes":
+            raise ImportError("No module named 'bitsandbytes'")
+        return real_import(name, *args, **kwargs)
+
+    # Pretend there is a GPU so the bitsandbytes check is the one that fires.
+    monkeypatch.setattr(model_module.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(builtins, "__import__", no_bnb)
+    with pytest.raises(ImportError, match=r"vlm-grpo\[quant\]"):
+        model_module._check_quantization(load_in_4bit=True, load_in_8bit=False)
+
+
+def test_lora_bad_arguments(tiny_dir):
+    model, _ = FastVisionModel.from_pretrained(tiny_dir("gemma3"))
+    with pytest.raises(ValueError, match="both False"):
+        FastVisionModel.get_peft_model(model, finetune_vision_layers=False, finetune_language_layers=False)
+    for r in (0, -4):
+        with pytest.raises(ValueError, match="positive integer"):
+            FastVisionModel.get_peft_model(model, r=r)
+    with pytest.raises(ValueError, match=r"\['not_a_layer'\] match no module"):
+        FastVisionModel.get_peft_model(model, target_modules=["q_proj", "not_a_layer"])
+    with pytest.raises(ValueError, match="matches no Linear"):
+        FastVisionModel.get_peft_model(model, target_modules=r".*\.nothing_here")
+    with pytest.raises(ValueError, match="use_gradient_checkpointing"):
+        FastVisionModel.get_peft_model(model, use_gradient_checkpointing="sometimes")

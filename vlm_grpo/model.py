@@ -1,0 +1,433 @@
+"""`FastBaseVisionModel`: load a vision-language model, add LoRA where you mean it, switch modes, export.
+
+Unsloth's `FastVisionModel` API shape, built on transformers + peft only:
+
+    model, processor = FastVisionModel.from_pretrained("Qwen/Qwen2.5-VL-3B-Instruct", load_in_4bit=True)
+    model = FastVisionModel.get_peft_model(model, r=16, finetune_vision_layers=False)
+    FastVisionModel.for_inference(model)   # generate
+    FastVisionModel.for_training(model)    # train
+    FastVisionModel.save_pretrained_merged(model, processor, "merged")
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from .hooks import enable_requires_grad_hooks
+from .processor import load_processor
+
+__all__ = ["FastBaseVisionModel", "FastVisionModel", "select_lora_modules"]
+
+# Where a module's name says it belongs (Unsloth's tags, plus the projector names of current families).
+_VISION_TAGS = ("visual", "vision", "image_encoder", "patch_embed")
+_PROJECTOR_TAGS = ("merger", "multi_modal_projector", "connector", "projector")
+_ATTENTION_TAGS = ("attn", "attention")
+_MLP_TAGS = ("mlp", "feed_forward", "ffn")
+# Modules never given LoRA by the flags: the output head (tied or huge) and the embeddings.
+_NEVER = ("lm_head", "embed_tokens", "embed", "wte")
+
+_GC_CHOICES = (True, False, "unsloth", "reentrant", "non_reentrant")
+
+
+def _is_linear(module: nn.Module) -> bool:
+    # bitsandbytes' Linear4bit / Linear8bitLt subclass nn.Linear, so quantised layers are found too.
+    return isinstance(module, nn.Linear)
+
+
+def select_lora_modules(
+    model: nn.Module,
+    *,
+    finetune_vision_layers: bool = True,
+    finetune_language_layers: bool = True,
+    finetune_attention_modules: bool = True,
+    finetune_mlp_modules: bool = True,
+) -> list[str]:
+    """Names of the Linear layers the four `finetune_*` flags select, in model order.
+
+    Vision layers are the vision tower's blocks and the projector that maps image features into the
+    language model (Qwen's `merger`, Idefics3's `connector`); language layers are the decoder's
+    blocks. Attention means q/k/v/o (and fused qkv); MLP the feed-forward and projector layers. The
+    output head and embeddings are never selected (use `modules_to_save` for those).
+    """
+    selected = []
+    for name, module in model.named_modules():
+        if not _is_linear(module):
+            continue
+        parts = name.lower().split(".")
+        if any(p in _NEVER for p in parts):
+            continue
+        is_projector = any(tag in p for p in parts for tag in _PROJECTOR_TAGS)
+        is_vision = is_projector or any(tag in p for p in parts for tag in _VISION_TAGS)
+        is_attention = not is_projector and any(tag in p for p in parts for tag in _ATTENTION_TAGS)
+        is_mlp = is_projector or any(tag in p for p in parts for tag in _MLP_TAGS)
+        if not (is_attention or is_mlp):
+            continue
+        if (is_vision and not finetune_vision_layers) or (not is_vision and not finetune_language_layers):
+            continue
+        if (is_attention and not finetune_attention_modules) or (is_mlp and not finetune_mlp_modules):
+            continue
+        selected.append(name)
+    return selected
+
+
+def _looks_like_local_path(name: str) -> bool:
+    # A Hub id is `name` or `org/name`; anything else (absolute, ./, ~, deeper nesting) is meant as a path.
+    return name.startswith((os.sep, ".", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
+def _default_dtype() -> torch.dtype:
+    if torch.cuda.is_available():
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def _check_quantization(load_in_4bit: bool, load_in_8bit: bool) -> None:
+    if not (load_in_4bit or load_in_8bit):
+        return
+    if load_in_4bit and load_in_8bit:
+        raise ValueError("Choose one of load_in_4bit=True or load_in_8bit=True, not both.")
+    bits = "4-bit" if load_in_4bit else "8-bit"
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{bits} loading needs a CUDA GPU (bitsandbytes kernels), and none is available. "
+            "Load in 16/32-bit instead (load_in_4bit=False, load_in_8bit=False) or run on a GPU machine."
+        )
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as error:
+        raise ImportError(
+            f"{bits} loading needs bitsandbytes: `pip install 'vlm-grpo[quant]'` (or `pip install bitsandbytes`)."
+        ) from error
+
+
+def _gc_kwargs(use_gradient_checkpointing: bool | str) -> dict | None:
+    if use_gradient_checkpointing not in _GC_CHOICES:
+        raise ValueError(f"use_gradient_checkpointing must be one of {_GC_CHOICES}, got {use_gradient_checkpointing!r}.")
+    if use_gradient_checkpointing is False:
+        return None
+    # Non-reentrant is PyTorch's recommended mode and needs no input grads; "reentrant" is kept for parity
+    # with older recipes (the hooks make it train too). Unsloth's "unsloth" offloading mode maps to non-reentrant.
+    return {"use_reentrant": use_gradient_checkpointing == "reentrant"}
+
+
+def is_checkpointing(model: nn.Module) -> bool:
+    """Whether gradient (activation) checkpointing is on; works across transformers' rename of the API."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+def _checkpointing_off(model: nn.Module) -> None:
+    if is_checkpointing(model):
+        # transformers >= 5.2x calls it activation checkpointing; 5.17 (and PEFT wrappers) know the old name.
+        disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        disable()
+
+
+def _set_gradient_checkpointing(model: nn.Module, use_gradient_checkpointing: bool | str) -> None:
+    kwargs = _gc_kwargs(use_gradient_checkpointing)
+    if kwargs is None:
+        _checkpointing_off(model)
+        return
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    enable_requires_grad_hooks(model)
+    object.__setattr__(model, "_vlm_grpo_gc", use_gradient_checkpointing)
+
+
+def _set_use_cache(model: nn.Module, value: bool) -> None:
+    for config in {id(c): c for c in _configs(model)}.values():
+        config.use_cache = value
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.use_cache = value
+
+
+def _configs(model: nn.Module):
+    config = getattr(model, "config", None)
+    if config is None:
+        return []
+    subs = [getattr(config, "text_config", None)]
+    return [config] + [c for c in subs if c is not None]
+
+
+class FastBaseVisionModel:
+    """Load, adapt, switch and export vision-language models (static methods, Unsloth's names)."""
+
+    @staticmethod
+    def from_pretrained(
+        model_name: str,
+        max_seq_length: int = 2048,
+        dtype: torch.dtype | str | None = None,
+        load_in_4bit: bool = False,
+        load_in_8bit: bool = False,
+        full_finetuning: bool = False,
+        use_gradient_checkpointing: bool | str = True,
+        device_map: str | dict | None = None,
+        trust_remote_code: bool = False,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        attn_implementation: str | None = None,
+        **kwargs: Any,
+    ) -> tuple[nn.Module, Any]:
+        """Load a VLM and its processor: `(model, processor)`.
+
+        Args:
+            model_name: a Hub id (`Qwen/Qwen2.5-VL-3B-Instruct`) or a local checkpoint directory.
+            max_seq_length: longest prompt + completion you plan to train on (kept on the model).
+            dtype: None picks bf16 on a GPU that supports it, else fp16 on GPU, else fp32 on CPU.
+            load_in_4bit / load_in_8bit: bitsandbytes quantisation of the language model (NF4 with double
+                quantisation for 4-bit). The vision tower, projector and lm_head stay in `dtype`.
+            full_finetuning: train every weight (no LoRA); gradient checkpointing is set up here then.
+            use_gradient_checkpointing: True / "unsloth" (non-reentrant), "reentrant", or False; applied by
+                `get_peft_model` (or here with `full_finetuning`).
+            device_map: passed to transformers; None puts the model on the first GPU when there is one.
+            min_pixels / max_pixels: image pixel budget; images outside it are resized (aspect kept).
+            attn_implementation: "eager", "sdpa", "flash_attention_2"...; None lets transformers choose.
+            **kwargs: passed to `AutoModelForImageTextToText.from_pretrained` (e.g. `revision`, `token`).
+        """
+        from transformers import AutoConfig, AutoModelForImageTextToText
+
+        if _looks_like_local_path(model_name) and not os.path.exists(os.path.expanduser(model_name)):
+            raise FileNotFoundError(
+                f"Model path {model_name!r} does not exist. Pass an existing checkpoint directory or a Hub id "
+                "such as 'Qwen/Qwen2.5-VL-3B-Instruct'."
+            )
+        model_name = os.path.expanduser(model_name)
+        if os.path.isdir(model_name) and not os.path.exists(os.path.join(model_name, "config.json")):
+            raise FileNotFoundError(
+                f"{model_name!r} has no config.json, so it is not a transformers checkpoint. Point at the directory "
+                "that `save_pretrained` wrote (it holds config.json and the weights)."
+            )
+        _check_quantization(load_in_4bit, load_in_8bit)
+        if full_finetuning and (load_in_4bit or load_in_8bit):
+            raise ValueError("full_finetuning needs 16/32-bit weights: drop load_in_4bit / load_in_8bit, or use LoRA.")
+        _gc_kwargs(use_gradient_checkpointing)  # validate early
+        hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
+
+        config = AutoConfig.from_pretrained(model_name, trust_remote_code=trust_remote_code, **hub_kwargs)
+        if getattr(config, "vision_config", None) is None:
+            raise ValueError(
+                f"{model_name!r} is a {config.model_type!r} model without a vision encoder, not a vision-language "
+                "model. Pass a VLM checkpoint (Qwen2/2.5/3-VL, Gemma 3, SmolVLM/Idefics3, ...); for text-only "
+                "models use trl.GRPOTrainer directly."
+            )
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        dtype = dtype or _default_dtype()
+        load_kwargs: dict[str, Any] = dict(dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
+        if attn_implementation is not None:
+            load_kwargs["attn_implementation"] = attn_implementation
+        if device_map is None and torch.cuda.is_available():
+            device_map = {"": torch.cuda.current_device()}
+        if device_map is not None:
+            load_kwargs["device_map"] = device_map
+        if load_in_4bit or load_in_8bit:
+            load_kwargs["quantization_config"] = _bnb_config(config, load_in_4bit, dtype)
+
+        model = AutoModelForImageTextToText.from_pretrained(model_name, **load_kwargs)
+        processor = load_processor(model_name, config.model_type, trust_remote_code=trust_remote_code, **hub_kwargs)
+        _set_pixel_budget(processor, min_pixels, max_pixels)
+
+        object.__setattr__(model, "max_seq_length", max_seq_length)
+        object.__setattr__(model, "_vlm_grpo_processor", processor)
+        object.__setattr__(model, "_vlm_grpo_gc", use_gradient_checkpointing)
+        if full_finetuning:
+            model.requires_grad_(True)
+            FastBaseVisionModel.for_training(model, use_gradient_checkpointing)
+        else:
+            # Like Unsloth: frozen until get_peft_model, so a forgotten adapter fails loudly instead of full-tuning.
+            model.requires_grad_(False)
+            model.eval()
+        return model, processor
+
+    @staticmethod
+    def get_peft_model(
+        model: nn.Module,
+        r: int = 16,
+        lora_alpha: int = 16,
+        lora_dropout: float = 0.0,
+        target_modules: list[str] | str | None = None,
+        finetune_vision_layers: bool = True,
+        finetune_language_layers: bool = True,
+        finetune_attention_modules: bool = True,
+        finetune_mlp_modules: bool = True,
+        bias: str = "none",
+        use_gradient_checkpointing: bool | str = True,
+        random_state: int = 3407,
+        use_rslora: bool = False,
+        modules_to_save: list[str] | None = None,
+        **kwargs: Any,
+    ):
+        """Add LoRA adapters and return the `PeftModel`.
+
+        The four `finetune_*` flags choose the Linear layers (see `select_lora_modules`); an explicit
+        `target_modules` (list of names/suffixes, a regex, or "all-linear") overrides them. Quantised
+        models are prepared for k-bit training; gradient checkpointing and the requires-grad hooks
+        are switched on. `**kwargs` reach `peft.LoraConfig` (e.g. `init_lora_weights`, `use_dora`).
+        """
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        if isinstance(model, PeftModel):
+            raise ValueError("This model already has LoRA adapters; call get_peft_model on the base model once.")
+        if not isinstance(r, int) or r <= 0:
+            raise ValueError(f"LoRA rank r must be a positive integer, got {r!r}.")
+        if lora_alpha <= 0:
+            raise ValueError(f"lora_alpha must be positive, got {lora_alpha!r}.")
+        if not 0.0 <= lora_dropout < 1.0:
+            raise ValueError(f"lora_dropout must be in [0, 1), got {lora_dropout!r}.")
+        _gc_kwargs(use_gradient_checkpointing)
+
+        if target_modules is None:
+            if not (finetune_vision_layers or finetune_language_layers):
+                raise ValueError(
+                    "finetune_vision_layers and finetune_language_layers are both False, so no layer would train. "
+                    "Set at least one to True (or pass target_modules)."
+                )
+            if not (finetune_attention_modules or finetune_mlp_modules):
+                raise ValueError(
+                    "finetune_attention_modules and finetune_mlp_modules are both False, so no layer would train. "
+                    "Set at least one to True (or pass target_modules)."
+                )
+            names = select_lora_modules(
+                model,
+                finetune_vision_layers=finetune_vision_layers,
+                finetune_language_layers=finetune_language_layers,
+                finetune_attention_modules=finetune_attention_modules,
+                finetune_mlp_modules=finetune_mlp_modules,
+            )
+            if not names:
+                raise ValueError(f"The finetune_* flags select no Linear layer in {type(model).__name__}.")
+            # An anchored regex of exact names: PEFT's suffix matching could otherwise catch a same-named layer elsewhere.
+            target: list[str] | str = "^(" + "|".join(re.escape(n) for n in names) + ")$"
+        else:
+            target = _check_target_modules(model, target_modules)
+
+        torch.manual_seed(random_state)
+        quantized = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
+        if quantized:
+            _prepare_kbit(model)
+        config = LoraConfig(
+            r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=target, bias=bias,
+            use_rslora=use_rslora, modules_to_save=modules_to_save, task_type="CAUSAL_LM", **kwargs,
+        )  # fmt: skip
+        peft_model = get_peft_model(model, config)
+        for attr in ("max_seq_length", "_vlm_grpo_processor"):
+            if hasattr(model, attr):
+                object.__setattr__(peft_model, attr, getattr(model, attr))
+        FastBaseVisionModel.for_training(peft_model, use_gradient_checkpointing)
+        return peft_model
+
+    @staticmethod
+    def for_inference(model: nn.Module) -> nn.Module:
+        """Eval mode, gradient checkpointing off, KV cache on, left padding. Idempotent; returns `model`."""
+        model.eval()
+        _checkpointing_off(model)
+        _set_use_cache(model, True)
+        processor = getattr(model, "_vlm_grpo_processor", None)
+        if processor is not None:
+            getattr(processor, "tokenizer", processor).padding_side = "left"
+        return model
+
+    @staticmethod
+    def for_training(model: nn.Module, use_gradient_checkpointing: bool | str = True) -> nn.Module:
+        """Train mode, gradient checkpointing (and hooks) on, KV cache off. Idempotent; returns `model`."""
+        model.train()
+        _set_use_cache(model, False)
+        if use_gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", True):
+            warnings.warn(f"{type(model).__name__} does not support gradient checkpointing; training without it.")
+            use_gradient_checkpointing = False
+        _set_gradient_checkpointing(model, use_gradient_checkpointing)
+        return model
+
+    @staticmethod
+    def save_pretrained_merged(
+        model: nn.Module, processor: Any, save_directory: str | os.PathLike, dtype: torch.dtype = torch.float16
+    ) -> str:
+        """Write a standalone 16-bit checkpoint with the LoRA weights merged in; return its path.
+
+        Works for 16/32-bit and bitsandbytes 4/8-bit bases (dequantised first). The model itself is left
+        untouched (adapters stay, training can go on). The directory is written to a temporary sibling
+        and renamed into place, so an interrupted save never leaves a half-written checkpoint.
+        """
+        from .export import merged_state_dict, write_checkpoint
+
+        state_dict = merged_state_dict(model, dtype)
+        return write_checkpoint(model, processor, state_dict, save_directory, dtype)
+
+
+FastVisionModel = FastBaseVisionModel
+
+
+def _bnb_config(config: Any, load_in_4bit: bool, dtype: torch.dtype):
+    from transformers import BitsAndBytesConfig
+
+    # Quantising the vision tower hurts accuracy for little memory (it is small), and lm_head is the
+    # precision-critical output layer: Unsloth and the Qwen-VL QLoRA recipes both keep them in 16-bit.
+    skip = ["lm_head", "visual", "vision_tower", "vision_model", "multi_modal_projector", "connector", "merger"]
+    if load_in_4bit:
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+            llm_int8_skip_modules=skip,
+        )
+    return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
+
+
+def _prepare_kbit(model: nn.Module) -> None:
+    # peft.prepare_model_for_kbit_training would upcast every 16-bit weight (vision tower included) to fp32,
+    # which costs GBs on a 7B model for no accuracy gain with bf16 compute; freezing is the part we need.
+    for param in model.parameters():
+        param.requires_grad_(False)
+
+
+def _check_target_modules(model: nn.Module, target_modules: list[str] | str) -> list[str] | str:
+    if isinstance(target_modules, str):
+        if target_modules == "all-linear":
+            return target_modules
+        if not any(re.fullmatch(target_modules, n) for n, m in model.named_modules() if _is_linear(m)):
+            raise ValueError(
+                f"target_modules regex {target_modules!r} matches no Linear layer of {type(model).__name__}. "
+                "Check the names with `[n for n, m in model.named_modules()]`."
+            )
+        return target_modules
+    target_modules = list(target_modules)
+    names = [n for n, _ in model.named_modules()]
+    missing = [t for t in target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        raise ValueError(
+            f"target_modules {missing} match no module of {type(model).__name__}. Use module names or suffixes "
+            "such as 'q_proj', or leave target_modules=None and choose layers with the finetune_* flags."
+        )
+    return target_modules
+
+
+def _set_pixel_budget(processor: Any, min_pixels: int | None, max_pixels: int | None) -> None:
+    """Record the image pixel budget on the processor (and in Qwen's image processor, which resizes by it)."""
+    if min_pixels is not None and min_pixels <= 0 or max_pixels is not None and max_pixels <= 0:
+        raise ValueError(f"min_pixels and max_pixels must be positive, got {min_pixels} and {max_pixels}.")
+    if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
+        raise ValueError(f"min_pixels ({min_pixels}) is larger than max_pixels ({max_pixels}).")
+    image_processor = getattr(processor, "image_processor", None)
+    size = getattr(image_processor, "size", None)
+    # Qwen's image processors keep the pixel budget as size.shortest_edge (min) / size.longest_edge (max);
+    # `size` is a dict in older transformers and a SizeDict object in newer ones.
+    if isinstance(size, dict) and "shortest_edge" in size and "longest_edge" in size:
+        for key, value in (("shortest_edge", min_pixels), ("longest_edge", max_pixels)):
+            if value is not None:
+                size[key] = value
+    elif getattr(size, "shortest_edge", None) is not None and getattr(size, "longest_edge", None) is not None:
+        for key, value in (("shortest_edge", min_pixels), ("longest_edge", max_pixels)):
+            if value is not None:
+                setattr(size, key, value)
+    # The trainer resizes images to this budget before the processor, for every family.
+    processor._vlm_grpo_pixel_budget = (min_pixels, max_pixels)

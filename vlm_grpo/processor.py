@@ -1,0 +1,112 @@
+"""Loading a VLM's processor, including on machines without torchvision.
+
+The Qwen2/2.5/3-VL processors bundle a *video* processor whose base class imports torchvision, so
+`AutoProcessor.from_pretrained` fails where torchvision is missing (every CPU-only pip install of
+torch, for one). Image-only training never touches the video processor, so we build the same
+processor class without it: the tokenizer, the PIL image processor and the chat template are the
+checkpoint's own.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any
+
+__all__ = ["QWEN_PROCESSORS", "build_qwen_processor", "load_processor"]
+
+# model_type -> processor class name in transformers.
+QWEN_PROCESSORS = {
+    "qwen2_vl": "Qwen2VLProcessor",
+    "qwen2_5_vl": "Qwen2_5_VLProcessor",
+    "qwen3_vl": "Qwen3VLProcessor",
+    "qwen3_vl_moe": "Qwen3VLProcessor",
+}
+
+
+@functools.cache
+def _image_only_class(class_name: str) -> type:
+    """A subclass of a Qwen processor whose only sub-processors are the image processor and tokenizer.
+
+    `ProcessorMixin` derives a processor's parts from its `__init__` signature, so dropping
+    `video_processor` from the signature is what makes the video part optional.
+    """
+    import transformers
+
+    base = getattr(transformers, class_name)
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        base.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+        self.video_processor = None
+
+    # Saved as the real class name so plain transformers (with torchvision) loads the checkpoint as usual.
+    return type(class_name, (base,), {"__init__": __init__, "__module__": base.__module__})
+
+
+def build_qwen_processor(model_type: str, image_processor: Any, tokenizer: Any, chat_template: str | None = None):
+    """Build a Qwen-VL processor from an image processor and a tokenizer, without a video processor."""
+    if model_type not in QWEN_PROCESSORS:
+        raise ValueError(f"{model_type!r} is not a Qwen-VL model type ({', '.join(QWEN_PROCESSORS)}).")
+    cls = _image_only_class(QWEN_PROCESSORS[model_type])
+    return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
+
+
+def _has_torchvision() -> bool:
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # a broken torchvision (ABI mismatch) is as good as none
+        return False
+    return True
+
+
+def _load_qwen_image_only(path: str, model_type: str, **kwargs: Any):
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(path, **kwargs)
+    chat_template = getattr(tokenizer, "chat_template", None)
+    template_file = os.path.join(path, "chat_template.jinja") if os.path.isdir(path) else None
+    if template_file and os.path.exists(template_file):
+        with open(template_file, encoding="utf-8") as f:
+            chat_template = f.read()
+    elif os.path.isdir(path) and os.path.exists(os.path.join(path, "chat_template.json")):
+        with open(os.path.join(path, "chat_template.json"), encoding="utf-8") as f:
+            chat_template = json.load(f)["chat_template"]
+    elif not os.path.isdir(path):  # a Hub id: the template lives in its own file there
+        chat_template = _hub_chat_template(path, **kwargs) or chat_template
+    return build_qwen_processor(model_type, image_processor, tokenizer, chat_template)
+
+
+def _hub_chat_template(repo_id: str, **kwargs: Any) -> str | None:
+    from transformers.utils import cached_file
+
+    for name in ("chat_template.jinja", "chat_template.json"):
+        try:
+            file = cached_file(repo_id, name, _raise_exceptions_for_missing_entries=False, **kwargs)
+        except OSError:
+            file = None
+        if file:
+            with open(file, encoding="utf-8") as f:
+                return f.read() if name.endswith(".jinja") else json.load(f)["chat_template"]
+    return None
+
+
+def load_processor(path: str, model_type: str, *, padding_side: str = "left", **kwargs: Any):
+    """Load the processor of a VLM checkpoint, padded on the left for generation.
+
+    Qwen-VL checkpoints load without torchvision (image-only processor, see the module docstring);
+    everything else goes through `AutoProcessor`.
+    """
+    from transformers import AutoProcessor
+
+    if model_type in QWEN_PROCESSORS and not _has_torchvision():
+        processor = _load_qwen_image_only(path, model_type, **kwargs)
+    else:
+        processor = AutoProcessor.from_pretrained(path, **kwargs)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    tokenizer.padding_side = padding_side
+    if tokenizer.pad_token is None:  # generation with batches needs a pad token; eos is the usual stand-in
+        tokenizer.pad_token = tokenizer.eos_token
+    return processor
