@@ -60,6 +60,7 @@ __all__ = [
     "iou",
     "iou_threshold",
     "levenshtein",
+    "make_choice_reward",
     "make_iou_reward",
     "multiple_choice",
     "parse_box",
@@ -982,3 +983,61 @@ def anls(prompts: Sequence[Any] | None, completions: Sequence[Completion], **kwa
         rewards.append(anls_score(pred, gold))
     _log_extra(kwargs, "anls_pred", preds)
     return rewards
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Closed-vocabulary answers (colour names, directions, small counts)
+# ---------------------------------------------------------------------------------------------------------------------
+
+_WORD_RE = re.compile(r"[\w-]+")
+
+
+class _ChoiceReward:
+    """Picklable closed-vocabulary reward (a class, not a closure: TRL's async rollout worker pickles rewards)."""
+
+    def __init__(self, choices: Sequence[str], name: str) -> None:
+        self.choices = {_normalize_text(str(c)) for c in choices}
+        if not self.choices or "" in self.choices:
+            raise ValueError("choices must be a non-empty list of non-empty answers, e.g. ['red', 'green', 'blue'].")
+        self.__name__ = self.__qualname__ = name
+
+    def __repr__(self) -> str:
+        return f"make_choice_reward({sorted(self.choices)!r}, name={self.__name__!r})"
+
+    def named(self, text: str) -> set[str]:
+        """The candidate answers a completion names (answer tag first, else the text after any </think>)."""
+        tagged = extract_answer(text)
+        span = tagged if tagged is not None else _final_segment(text)
+        return {w for w in (_normalize_text(m) for m in _WORD_RE.findall(span)) if w in self.choices}
+
+    def __call__(self, prompts: Sequence[Any] | None, completions: Sequence[Completion], **kwargs: Any):
+        golds = _required_column(kwargs, "answer", self.__name__, len(completions))
+        rewards: list[float | None] = []
+        predictions = []
+        for completion, gold in zip(completions, golds, strict=True):
+            named = self.named(completion_text(completion))
+            predictions.append(" ".join(sorted(named)))
+            if gold is None:
+                rewards.append(None)
+                continue
+            gold_word = _normalize_text(str(gold))
+            if gold_word not in self.choices:
+                raise ValueError(f"`{self.__name__}`: gold answer {gold!r} is not one of the choices {sorted(self.choices)}.")
+            # Exactly one candidate, the right one: naming every colour must not score.
+            rewards.append(1.0 if named == {gold_word} else 0.0)
+        _log_extra(kwargs, f"{self.__name__}_pred", predictions)
+        return rewards
+
+
+def make_choice_reward(choices: Sequence[str], name: str = "choice_accuracy") -> RewardFunc:
+    """Accuracy for closed-vocabulary answers: 1.0 when the completion names exactly one of `choices`, the gold one.
+
+    Reads column ``answer``. The answer tag is searched first, else the text after any ``</think>``; words are
+    compared case-insensitively. Naming two candidates ("red or blue") scores 0.0, so listing every option
+    cannot be rewarded. Unlike :func:`answer_accuracy` a short sentence around the word is fine ("it is red").
+
+    Returns:
+        A picklable reward function called ``name``. It raises ValueError when ``answer`` is missing or a gold
+        answer is not among the choices (a data bug, not a wrong completion).
+    """
+    return _ChoiceReward(choices, name)

@@ -21,12 +21,10 @@ __all__ = ["TINY_FAMILIES", "build_tiny_vlm"]
 # Words the tiny tokenizer always knows: what the chat templates, task prompts and rewards use.
 # Anything else becomes <unk>, which is fine for a model that starts from random weights.
 _BASE_WORDS = (
-    "system user assistant model User Assistant You are a helpful . , : ; ? ! ' \" ( ) [ ] { } < > / = - + * "
-    "what which where how many is the of in on to and or shape shapes colour color image picture answer "
-    "with one word number left right above below middle top bottom red green blue yellow purple orange "
-    "black white gray grey circle square triangle dot there sum digits total count find box think "
-    "yes no true false A B C D E"
-).split() + [str(i) for i in range(0, 101)]
+    "system user assistant model User Assistant You are a helpful . , : ? ! ' ( ) [ ] < > / "
+    "what which where how many is the of in on to and or shape image answer with one word number"
+).split()  # deliberately small: a random model samples each token with probability ~1/vocab, so fewer tokens
+# means a task's answer words show up in early rollouts often enough for GRPO to have a signal.
 
 
 @dataclass

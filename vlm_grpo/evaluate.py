@@ -1,0 +1,140 @@
+"""`evaluate`: mean reward, accuracy and pass@k of a VLM on a dataset, with the trainer's row handling."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .model import FastBaseVisionModel
+from .rows import check_dataset, prepare_row
+
+__all__ = ["evaluate", "pass_at_k"]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al., 2021): 1 - C(n-c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}.")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def _name(func: Callable) -> str:
+    return getattr(func, "__name__", type(func).__name__)
+
+
+@torch.no_grad()
+def evaluate(
+    model: Any,
+    processor: Any,
+    dataset: Any,
+    reward_funcs: Callable | Sequence[Callable],
+    num_generations: int = 1,
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    batch_size: int = 16,
+    correct_threshold: float = 1.0,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Generate for every row and score with `reward_funcs`.
+
+    Args:
+        model, processor: a VLM and its processor (e.g. from `FastBaseVisionModel.from_pretrained`).
+        dataset: rows as for `VLMGRPOTrainer` (`prompt`, `image`/`images`, answer columns).
+        reward_funcs: TRL-style reward functions. The first one decides correctness (`accuracy`, pass@k): a
+            completion is correct when its reward is >= `correct_threshold`.
+        num_generations: samples per prompt. 1 decodes greedily; more samples at `temperature`, for pass@k.
+        max_new_tokens: completion length limit.
+
+    Returns:
+        `{"mean_reward": ..., "accuracy": ..., "reward/<name>": ..., "pass@k": ...}` with pass@k for k = 1, 2, 4, ...
+        up to `num_generations`. `accuracy` is the mean correctness over all samples (pass@1).
+    """
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if not funcs:
+        raise ValueError("evaluate needs at least one reward function (the first decides correctness).")
+    if num_generations < 1 or batch_size < 1:
+        raise ValueError("num_generations and batch_size must be at least 1.")
+    dataset, _ = check_dataset(dataset, "dataset", check_images=False)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    was_training = model.training
+    FastBaseVisionModel.for_inference(model)
+    tokenizer.padding_side = "left"
+    device = next(model.parameters()).device
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+
+    rewards: dict[str, list[float]] = {_name(f): [] for f in funcs}
+    correct_per_row: list[int] = []
+    try:
+        for start in range(0, len(dataset), batch_size):
+            rows = [prepare_row(dict(r), min_pixels, max_pixels) for r in dataset.select(range(start, min(start + batch_size, len(dataset))))]
+            completions = _generate(model, processor, rows, num_generations, max_new_tokens, temperature, device)
+            expanded = [row for row in rows for _ in range(num_generations)]
+            columns = {k: [row.get(k) for row in expanded] for k in expanded[0] if k not in ("prompt", "image", "images")}
+            prompts = [row["prompt"] for row in expanded]
+            first: list[float | None] = []
+            for func in funcs:
+                values = func(prompts=prompts, completions=completions, **columns)
+                rewards[_name(func)].extend(float("nan") if v is None else float(v) for v in values)
+                first = first or list(values)
+            for i in range(len(rows)):
+                scores = first[i * num_generations : (i + 1) * num_generations]
+                correct_per_row.append(sum(1 for s in scores if s is not None and s >= correct_threshold))
+    finally:
+        torch.random.set_rng_state(generator_state)
+        if was_training:
+            FastBaseVisionModel.for_training(model)
+
+    result: dict[str, float] = {}
+    for name, values in rewards.items():
+        valid = [v for v in values if not math.isnan(v)]
+        result[f"reward/{name}"] = sum(valid) / len(valid) if valid else float("nan")
+    result["mean_reward"] = sum(result[f"reward/{_name(f)}"] for f in funcs) / len(funcs)
+    result["accuracy"] = sum(correct_per_row) / (len(correct_per_row) * num_generations)
+    k = 1
+    while k <= num_generations:
+        result[f"pass@{k}"] = sum(pass_at_k(num_generations, c, k) for c in correct_per_row) / len(correct_per_row)
+        k *= 2
+    return result
+
+
+def _generate(model, processor, rows, num_generations, max_new_tokens, temperature, device) -> list[str]:
+    from trl.data_utils import prepare_multimodal_messages
+
+    images = []
+    prompts = []
+    for row in rows:
+        row_images = row.get("images") if "images" in row else ([row["image"]] if row.get("image") is not None else [])
+        row_images = row_images or []
+        prompt = row["prompt"]
+        if isinstance(prompt, list):
+            prompt = prepare_multimodal_messages(prompt, images=row_images)
+        prompts.append(prompt)
+        images.append(row_images)
+    if isinstance(prompts[0], list):
+        text = processor.apply_chat_template(prompts, add_generation_prompt=True, tokenize=False)
+    else:
+        text = prompts
+    has_images = any(images)
+    inputs = processor(text=text, images=images if has_images else None, return_tensors="pt", padding=True)
+    inputs = {k: v.to(device) if hasattr(v, "to") else v for k, v in inputs.items()}
+    sampling = num_generations > 1
+    outputs = model.generate(
+        **inputs,
+        max_new_tokens=max_new_tokens,
+        do_sample=sampling,
+        temperature=temperature if sampling else None,
+        top_p=None,
+        top_k=None,
+        num_return_sequences=num_generations,
+    )
+    completion_ids = outputs[:, inputs["input_ids"].shape[1] :]
+    return processor.batch_decode(completion_ids, skip_special_tokens=True)
