@@ -51,7 +51,8 @@ def load_image(obj: Any) -> Image.Image:
         obj: A ``PIL.Image.Image``; a ``str``/``os.PathLike`` path; encoded image
             ``bytes``/``bytearray``; a numpy array of shape HxW, HxWx1, HxWx3 or
             HxWx4 with dtype uint8, uint16, bool or float (values in [0, 1]); or a
-            ``{"bytes": ..., "path": ...}`` dict (bytes preferred, path as fallback).
+            ``{"bytes": ..., "path": ...}`` dict (bytes preferred, path as fallback); or nested lists of pixel
+            values, which is what a numpy array becomes inside a ``datasets.Dataset``.
 
     Returns:
         The decoded image, in whatever mode the source had (see
@@ -72,6 +73,17 @@ def load_image(obj: Any) -> Image.Image:
         img = _from_array(obj)
     elif isinstance(obj, dict):
         img = _load_dict(obj)
+    elif isinstance(obj, (list, tuple)) and obj and isinstance(obj[0], (list, tuple)):
+        # A numpy array stored in a `datasets.Dataset` comes back as nested lists of numbers.
+        try:
+            array = np.asarray(obj)
+        except ValueError as error:
+            raise ImageError(f"nested lists are not a rectangular pixel array: {error}") from error
+        if array.dtype == object or array.ndim not in (2, 3):
+            raise ImageError(f"nested lists of shape {array.shape} are not an HxW or HxWxC pixel array")
+        if array.dtype.kind in "iu":
+            array = array.astype(np.uint16 if array.max(initial=0) > 255 else np.uint8)
+        img = _from_array(array)
     else:
         raise ImageError(f"cannot load an image from {type(obj).__name__!r}; pass {_ACCEPTED}")
     if img.width == 0 or img.height == 0:

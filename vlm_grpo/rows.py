@@ -79,11 +79,13 @@ def _check_prompt(prompt: Any, n_images: int, index: int, name: str) -> None:
             f"({{'role': ..., 'content': ...}}), got {type(prompt).__name__}."
         )
     placeholders = count_image_placeholders(prompt)
-    if placeholders and placeholders != n_images:
+    # String contents get the images put before the first user text (TRL); structured contents must place each.
+    structured = any(isinstance(message.get("content"), list) for message in prompt)
+    if (structured or placeholders) and placeholders != n_images:
         raise ValueError(
             f"{name} row {index}: the prompt has {placeholders} image placeholder(s) ({{'type': 'image'}}) but the "
-            f"row has {n_images} image(s). Make them match, or drop the placeholders and the images are put before "
-            "the first user message."
+            f"row has {n_images} image(s). Make them match, or give the messages plain-string contents and the "
+            "images are put before the first user message."
         )
 
 
@@ -128,12 +130,12 @@ def check_dataset(dataset: Any, name: str = "train_dataset", *, check_images: bo
     read_columns = ["prompt"] + ([image_column] if image_column else [])
     for index, row in enumerate(raw.select_columns(read_columns)):
         images = _row_images(row)
-        _check_prompt(row["prompt"], len(images), index, name)
         if image_column is None and count_image_placeholders(row["prompt"]):
             raise ValueError(
                 f"{name} row {index}: the prompt has image placeholders but the dataset has no `image` or `images` "
                 f"column (columns: {columns}). Add the images as an `image` (one) or `images` (list) column."
             )
+        _check_prompt(row["prompt"], len(images), index, name)
         if not check_images:
             continue
         for position, image in enumerate(images):

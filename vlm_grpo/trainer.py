@@ -1,13 +1,14 @@
 """`VLMGRPOTrainer`: TRL's `GRPOTrainer` for vision-language models.
 
 TRL already runs multimodal rollouts; this subclass adds what a VLM user needs around them and
-overrides only three hooks:
+overrides only four hooks:
 - `__init__`: takes `(model, processor)` from `FastBaseVisionModel` (or a model id), validates the
   datasets (bad rows raise or are skipped before training), checks reward functions on every call,
   and registers the requires-grad hooks so checkpointed vision LoRA trains.
 - `_generate_and_score_completions`: images loaded from any format, normalised and fitted to the pixel
   budget; plain-string prompts with images turned into chat messages.
 - `_generate_single_turn`: the model switched to inference mode for generation and back after.
+- `_generate`: text-only rows in a batch with images get `[]` images (TRL's None breaks the processor).
 Everything else (losses, GSPO, vLLM, logging, checkpointing) is TRL's own.
 """
 
@@ -166,6 +167,15 @@ class VLMGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         inputs = [prepare_row(row, self.min_pixels, self.max_pixels) for row in inputs]
         return super()._generate_and_score_completions(inputs)
+
+    def _generate(self, prompts: list):
+        outputs = super()._generate(prompts)
+        images = outputs[6]
+        # TRL marks a text-only row's images as None; in a batch that also has images the processor then fails on
+        # the None. An empty list is what processors expect for "no image in this row".
+        if images is not None and any(i is None for i in images) and any(i for i in images):
+            outputs = (*outputs[:6], [i if i is not None else [] for i in images], *outputs[7:])
+        return outputs
 
     def _generate_single_turn(self, *args: Any, **kwargs: Any):
         model = self.accelerator.unwrap_model(self.model)

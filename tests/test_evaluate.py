@@ -1,0 +1,50 @@
+import math
+
+import pytest
+
+from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
+from vlm_grpo.evaluate import evaluate, pass_at_k
+from vlm_grpo.model import FastVisionModel
+from vlm_grpo.rewards import make_choice_reward
+
+
+def test_pass_at_k_matches_the_combinatorial_definition():
+    assert pass_at_k(4, 0, 1) == 0.0
+    assert pass_at_k(4, 4, 1) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - math.comb(3, 2) / math.comb(4, 2))  # 0.5
+    assert pass_at_k(5, 3, 3) == 1.0  # fewer wrong samples than k: some draw must be right
+    with pytest.raises(ValueError):
+        pass_at_k(2, 3, 1)
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 3)
+
+
+def test_evaluate_scores_generations_with_the_rewards(tiny_dir):
+    words = answer_words("color", 1)
+    model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl", words=words))
+    dataset = make_visual_reasoning_dataset("color", 6, seed=0, split="test")
+    seen = []
+
+    def always_right(prompts, completions, answer, **kwargs):
+        seen.append((len(completions), list(answer)))
+        return [1.0] * len(completions)
+
+    def never(prompts, completions, **kwargs):
+        return [0.0] * len(completions)
+
+    result = evaluate(model, processor, dataset, [always_right, never], num_generations=4, max_new_tokens=3, batch_size=4)
+    assert result["accuracy"] == 1.0 and result["pass@1"] == 1.0 and result["pass@4"] == 1.0
+    assert result["reward/always_right"] == 1.0 and result["reward/never"] == 0.0 and result["mean_reward"] == 0.5
+    assert [n for n, _ in seen] == [16, 8]  # 4 + 2 rows, 4 samples each
+    assert seen[0][1][:4] == [dataset[0]["answer"]] * 4  # columns are repeated per sample, in order
+
+    real = evaluate(model, processor, dataset, [make_choice_reward(words)], num_generations=4, max_new_tokens=3)
+    assert 0.0 <= real["pass@1"] <= real["pass@2"] <= real["pass@4"] <= 1.0
+    assert not model.training  # was in eval mode before, stays there
+
+
+def test_evaluate_needs_a_reward(tiny_dir):
+    model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    with pytest.raises(ValueError, match="at least one reward"):
+        evaluate(model, processor, make_visual_reasoning_dataset("color", 2), [])

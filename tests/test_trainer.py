@@ -1,0 +1,335 @@
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from PIL import Image
+
+from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
+from vlm_grpo.evaluate import evaluate
+from vlm_grpo.model import FastVisionModel
+from vlm_grpo.reward_checks import RewardFunctionError
+from vlm_grpo.rewards import make_choice_reward
+from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+
+COLORS = answer_words("color", 1)
+choice = make_choice_reward(COLORS)
+
+
+def _config(tmp_path, **kw):
+    base = dict(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4, max_completion_length=4,
+        learning_rate=5e-4, max_steps=2, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
+        disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    base.update(kw)
+    return VLMGRPOConfig(**base)
+
+
+def _model(tiny_dir, family="qwen2_5_vl", peft=False, **kw):
+    model, processor = FastVisionModel.from_pretrained(tiny_dir(family, words=COLORS), full_finetuning=not peft)
+    if peft:
+        model = FastVisionModel.get_peft_model(model, r=4, **kw)
+    return model, processor
+
+
+def _finite_losses(trainer):
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses and all(math.isfinite(x) for x in losses)
+    return losses
+
+
+def test_config_defaults_are_vlm_friendly(tmp_path):
+    config = VLMGRPOConfig(output_dir=str(tmp_path))
+    assert config.beta == 0.04
+    assert config.bf16 is (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    assert config.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    with pytest.raises(ValueError, match="min_pixels"):
+        VLMGRPOConfig(output_dir=str(tmp_path), min_pixels=100, max_pixels=10)
+
+
+@pytest.mark.slow
+def test_learns_colour_task_from_random_init(tiny_dir, tmp_path):
+    """The acceptance bar: tiny Qwen2.5-VL, random init, held-out accuracy <= 0.35 -> >= 0.8 (chance is 0.25)."""
+    train = make_visual_reasoning_dataset("color", 512, seed=0)
+    test = make_visual_reasoning_dataset("color", 64, seed=0, split="test")
+    model, processor = _model(tiny_dir)
+    before = evaluate(model, processor, test, [choice], max_new_tokens=4)["accuracy"]
+    config = _config(tmp_path, per_device_train_batch_size=32, num_generations=8, max_steps=300, logging_steps=50)
+    trainer = VLMGRPOTrainer(model, [choice], args=config, train_dataset=train, processing_class=processor)
+    trainer.train()
+    after = evaluate(trainer.model, processor, test, [choice], max_new_tokens=4)["accuracy"]
+    assert before <= 0.35 and after >= 0.8, (before, after)
+
+
+@pytest.mark.slow
+def test_second_family_learns_too(tiny_dir, tmp_path):
+    train = make_visual_reasoning_dataset("color", 512, seed=1)
+    test = make_visual_reasoning_dataset("color", 64, seed=1, split="test")
+    model, processor = _model(tiny_dir, "idefics3")
+    before = evaluate(model, processor, test, [choice], max_new_tokens=4)["accuracy"]
+    config = _config(tmp_path, per_device_train_batch_size=32, num_generations=8, max_steps=300, logging_steps=50)
+    trainer = VLMGRPOTrainer(model, [choice], args=config, train_dataset=train, processing_class=processor)
+    trainer.train()
+    after = evaluate(trainer.model, processor, test, [choice], max_new_tokens=4)["accuracy"]
+    assert before <= 0.35 and after >= 0.6, (before, after)
+
+
+def _length(prompts, completions, **kwargs):
+    return [float(len(str(c))) for c in completions]
+
+
+def test_vision_lora_changes_under_checkpointing_and_reference_is_the_base(tiny_dir, tmp_path):
+    model, processor = _model(tiny_dir, peft=True, finetune_language_layers=False, use_gradient_checkpointing=True)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+    assert before and all(".visual." in n for n in before)
+    train = make_visual_reasoning_dataset("color", 16, seed=0)
+    # Completion length varies within a group from the first step, so advantages (and updates) are non-zero.
+    trainer = VLMGRPOTrainer(
+        model, [_length], args=_config(tmp_path, max_steps=3, learning_rate=1e-2), train_dataset=train,
+        processing_class=processor,
+    )  # fmt: skip
+    assert trainer.ref_model is None  # PEFT: the reference is the base with the adapter disabled
+    assert trainer.beta == 0.04
+    trainer.train()
+    _finite_losses(trainer)
+    changed = [n for n, p in trainer.model.named_parameters() if n in before and not torch.equal(p, before[n])]
+    assert changed and len(changed) == len(before)
+    assert any(getattr(m, "gradient_checkpointing", False) for m in trainer.model.modules())
+
+
+LOSS_SETTINGS = {
+    "grpo": dict(loss_type="grpo"),
+    "dapo": dict(loss_type="dapo"),
+    "dr_grpo": dict(loss_type="dr_grpo"),
+    "bnpo": dict(loss_type="bnpo"),
+    "gspo": dict(importance_sampling_level="sequence", loss_type="grpo"),
+    "num_iterations": dict(num_iterations=2, steps_per_generation=2, gradient_accumulation_steps=2),
+    "scale_rewards_none": dict(scale_rewards="none"),
+    "scale_rewards_batch": dict(scale_rewards="batch"),
+    "reward_weights_and_log_completions": dict(reward_weights=[1.0, 0.5], log_completions=True),
+}
+
+
+@pytest.mark.parametrize("setting", LOSS_SETTINGS)
+def test_trl_features_keep_working(tiny_dir, tmp_path, setting):
+    model, processor = _model(tiny_dir, peft=True)
+    train = make_visual_reasoning_dataset("color", 16, seed=0)
+
+    def length_penalty(prompts, completions, **kwargs):
+        return [-0.1 * len(str(c)) for c in completions]
+
+    trainer = VLMGRPOTrainer(
+        model, [choice, length_penalty], args=_config(tmp_path, **LOSS_SETTINGS[setting]), train_dataset=train,
+        processing_class=processor,
+    )  # fmt: skip
+    trainer.train()
+    _finite_losses(trainer)
+    assert any("rewards/length_penalty/mean" in h for h in trainer.state.log_history)
+
+
+def _image_variants(tmp_path):
+    red = Image.new("RGB", (40, 30), (255, 0, 0))
+    path = tmp_path / "red.png"
+    red.save(path)
+    buf = io.BytesIO()
+    red.save(buf, format="PNG")
+    return {
+        "pil": red,
+        "path": str(path),
+        "bytes": buf.getvalue(),
+        "numpy": np.asarray(red),
+        "dict": {"bytes": buf.getvalue(), "path": None},
+        "rgba": Image.new("RGBA", (30, 30), (255, 0, 0, 128)),
+        "palette": red.convert("P"),
+        "gray16": Image.fromarray(np.full((28, 28), 60000, dtype=np.uint16)),
+    }
+
+
+@pytest.mark.parametrize("kind", ["pil", "path", "bytes", "numpy", "dict", "rgba", "palette", "gray16"])
+def test_every_image_format_trains(tiny_dir, tmp_path, kind):
+    image = _image_variants(tmp_path)[kind]
+    dataset = Dataset.from_list([{"prompt": "What colour is the shape?", "image": image, "answer": "red", "kind": kind}] * 4)
+    seen = []
+
+    def record(prompts, completions, kind, answer, **kwargs):
+        seen.extend(kind)  # dataset columns arrive as keyword arguments
+        return [0.0] * len(completions)
+
+    model, processor = _model(tiny_dir, peft=True)
+    trainer = VLMGRPOTrainer(
+        model, [choice, record], args=_config(tmp_path, max_steps=1), train_dataset=dataset, processing_class=processor
+    )
+    trainer.train()
+    _finite_losses(trainer)
+    assert seen and set(seen) == {kind}
+
+
+def test_mixed_zero_one_and_several_images_per_row(tiny_dir, tmp_path):
+    red, blue = Image.new("RGB", (56, 56), (255, 0, 0)), Image.new("RGB", (84, 56), (0, 0, 255))
+    def user(*parts):
+        return [{"role": "user", "content": [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]}]
+
+    rows = [
+        {"prompt": user("Say red."), "images": [], "answer": "red"},
+        {"prompt": user(None, "What colour?"), "images": [red], "answer": "red"},
+        {"prompt": user(None, "and", None, "first?"), "images": [red, blue], "answer": "red"},
+        {"prompt": user(None, "What colour?"), "images": [blue], "answer": "blue"},
+    ]
+    dataset = Dataset.from_list(rows)
+    model, processor = _model(tiny_dir, peft=True)
+    trainer = VLMGRPOTrainer(
+        model, [choice], args=_config(tmp_path, per_device_train_batch_size=16), train_dataset=dataset,
+        processing_class=processor,
+    )  # fmt: skip
+    trainer.train()
+    _finite_losses(trainer)
+
+
+def test_pixel_budget_shrinks_images_before_the_processor(tiny_dir, tmp_path):
+    big = Image.new("RGB", (448, 224), (0, 255, 0))
+    dataset = Dataset.from_list([{"prompt": "What colour?", "image": big, "answer": "green"}] * 4)
+    model, processor = _model(tiny_dir, peft=True)
+    sizes = []
+
+    class Spy(VLMGRPOTrainer):  # records the images that reach generation (and so the processor)
+        def _generate(self, prompts):
+            sizes.extend(p["image"].size for m in prompts[0] for p in m["content"] if p.get("type") == "image")
+            return super()._generate(prompts)
+
+    trainer = Spy(
+        model, [choice], args=_config(tmp_path, max_steps=1, max_pixels=56 * 56), train_dataset=dataset,
+        processing_class=processor,
+    )  # fmt: skip
+    trainer.train()
+    assert trainer.max_pixels == 56 * 56
+    assert sizes and all(w * h <= 56 * 56 and abs(w / h - 2.0) < 0.2 for w, h in sizes)
+
+
+def test_model_path_is_loaded_for_you(tiny_dir, tmp_path):
+    dataset = make_visual_reasoning_dataset("color", 8, seed=0)
+    trainer = VLMGRPOTrainer(tiny_dir("qwen2_5_vl", words=COLORS), [choice], args=_config(tmp_path), train_dataset=dataset)
+    assert trainer.ref_model is not None  # full fine-tuning with beta > 0 keeps a frozen reference copy
+    trainer.train()
+    _finite_losses(trainer)
+
+
+# ----- bad input: clear errors before training, or logged per-row skips -----
+
+
+def test_unreadable_images_are_skipped_and_counted(tiny_dir, tmp_path, caplog):
+    good = make_visual_reasoning_dataset("color", 6, seed=0).to_list()
+    png = io.BytesIO()
+    Image.new("RGB", (56, 56), (255, 0, 0)).save(png, format="PNG")
+    truncated = {"bytes": png.getvalue()[:40], "path": None}
+    rows = good[:3] + [{**good[0], "image": truncated}] + good[3:] + [{**good[1], "image": {"bytes": b"junk", "path": None}}]
+    from datasets import Image as ImageFeature
+
+    dataset = Dataset.from_list(rows).cast_column("image", ImageFeature())
+    model, processor = _model(tiny_dir, peft=True)
+    with caplog.at_level("WARNING"):
+        trainer = VLMGRPOTrainer(model, [choice], args=_config(tmp_path), train_dataset=dataset, processing_class=processor)
+    assert trainer.skipped_rows["train"].indices == [3, 7]
+    assert len(trainer.train_dataset) == 6
+    assert "skipped 2 of 8 rows" in caplog.text
+    with pytest.raises(ValueError, match="row 3"):
+        VLMGRPOTrainer(
+            model, [choice], args=_config(tmp_path, skip_bad_rows=False), train_dataset=dataset, processing_class=processor
+        )
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([], "empty"),
+        ([{"question": "hi", "image": Image.new("RGB", (8, 8))}], "no `prompt` column"),
+        ([{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]}], "no `image` or `images` column"),
+        ([{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}],
+           "images": [Image.new("RGB", (8, 8))] * 2}], r"1 image placeholder.*2 image"),
+        ([{"prompt": "<|im_start|>user\nWhat?<|im_end|>", "image": Image.new("RGB", (8, 8))}], "chat template already applied"),
+        ([{"prompt": "a", "image": Image.new("RGB", (8, 8)), "images": [Image.new("RGB", (8, 8))]}], "both `image` and `images`"),
+    ],
+    ids=["empty", "no_prompt", "no_image_column", "placeholder_mismatch", "templated_string", "both_columns"],
+)
+def test_bad_datasets_fail_before_training(tiny_dir, tmp_path, rows, message):
+    dataset = Dataset.from_list(rows) if rows else Dataset.from_dict({"prompt": [], "image": []})
+    model, processor = _model(tiny_dir, peft=True)
+    with pytest.raises(ValueError, match=message):
+        VLMGRPOTrainer(model, [choice], args=_config(tmp_path), train_dataset=dataset, processing_class=processor)
+
+
+def _raises_on_blue(prompts, completions, answer, **kwargs):
+    return [1 / 0 if a == "blue" else 0.0 for a in answer]
+
+
+def _wrong_length(prompts, completions, **kwargs):
+    return [0.0]
+
+
+def _nan_reward(prompts, completions, **kwargs):
+    return [float("nan")] + [0.0] * (len(completions) - 1)
+
+
+@pytest.mark.parametrize(
+    "func, message",
+    [(_raises_on_blue, r"'_raises_on_blue' raised ZeroDivisionError.*row \d+"),
+     (_wrong_length, r"'_wrong_length' returned 1 values for 8 completions"),
+     (_nan_reward, r"'_nan_reward' returned nan for row 0")],
+    ids=["raises", "wrong_length", "nan"],
+)  # fmt: skip
+def test_bad_reward_functions_are_named_with_the_row(tiny_dir, tmp_path, func, message):
+    dataset = Dataset.from_list(
+        [{"prompt": "What colour?", "image": Image.new("RGB", (56, 56), c), "answer": a}
+         for c, a in [((255, 0, 0), "red"), ((0, 0, 255), "blue")]]
+    )  # fmt: skip
+    model, processor = _model(tiny_dir, peft=True)
+    trainer = VLMGRPOTrainer(model, [func], args=_config(tmp_path), train_dataset=dataset, processing_class=processor)
+    with pytest.raises(RewardFunctionError, match=message):
+        trainer.train()
+
+
+def test_stop_and_resume_continues_the_run(tiny_dir, tmp_path):
+    dataset = make_visual_reasoning_dataset("color", 32, seed=0)
+    out = tmp_path / "out"
+
+    def make(max_steps):
+        model, processor = _model(tiny_dir, peft=True)
+        config = _config(tmp_path, max_steps=max_steps, save_strategy="steps", save_steps=2, output_dir=str(out))
+        return VLMGRPOTrainer(model, [_length], args=config, train_dataset=dataset, processing_class=processor)
+
+    first = make(2)
+    first.train()
+    checkpoint = out / "checkpoint-2"
+    assert (checkpoint / "adapter_model.safetensors").exists() and (checkpoint / "trainer_state.json").exists()
+    saved = {n: p.detach().clone() for n, p in first.model.named_parameters() if p.requires_grad}
+
+    resumed = make(4)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 4
+    steps = [h["step"] for h in resumed.state.log_history if "loss" in h]
+    assert steps[-2:] == [3, 4]  # continued from step 2, did not restart at 1
+    assert (out / "checkpoint-4").exists()
+    changed = [n for n, p in resumed.model.named_parameters() if n in saved and not torch.equal(p, saved[n])]
+    assert changed
+
+
+@pytest.mark.slow
+def test_two_processes_with_accelerate_launch(tmp_path):
+    """`accelerate launch --num_processes 2` on CPU (gloo): both ranks finish with finite loss and equal weights."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "scripts", "train_distributed.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517",
+           script, str(tmp_path)]  # fmt: skip
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["world_size"] == 2 and r["steps"] == 3 and r["finite"] and r["losses"] for r in records)
+    assert records[0]["checksum"] == records[1]["checksum"]  # DDP kept the replicas identical
