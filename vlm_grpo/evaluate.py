@@ -127,7 +127,12 @@ def _generate(model, processor, rows, num_generations, max_new_tokens, temperatu
     inputs = processor(text=text, images=images if has_images else None, return_tensors="pt", padding=True)
     inputs = {k: v.to(device) if hasattr(v, "to") else v for k, v in inputs.items()}
     sampling = num_generations > 1
+    # As in TRL's rollouts: a sampled image placeholder token would have no image features behind it, and since
+    # training never lets the model emit it, its logit is untrained and can win under greedy decoding.
+    config = getattr(model, "config", None)
+    image_token = getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None)
     outputs = model.generate(
+        suppress_tokens=[image_token] if image_token is not None else None,
         **inputs,
         max_new_tokens=max_new_tokens,
         do_sample=sampling,
