@@ -1,0 +1,282 @@
+"""GRPO step benchmark: vlm-grpo against plain TRL on the same model, data and config.
+
+    python benchmarks/grpo_step.py --model qwen2.5-vl-3b --image_size 448 --steps 3
+    python benchmarks/grpo_step.py --model qwen2.5-vl-3b --image_size 896 --load_in_4bit
+
+Runs each trainer in its own process (so neither inherits the other's CUDA caches or compiled graphs),
+alternating: `vlm-grpo` (VLMGRPOTrainer with FastVisionModel, its defaults), `trl` (trl.GRPOTrainer
+as users get it) and `trl-static` (trl.GRPOTrainer with cache_implementation="static", TRL's best
+setting for generation). The model is a real architecture with random weights (benchmarks/real_arch.py);
+completions are forced to `--completion_length` tokens with min_new_tokens so every trainer generates
+the same amount. Per step it records wall time split into generation / scoring (old and reference
+log-probs, rewards) / training (forward, backward, optimizer), generated tokens per second and peak GPU
+memory; the first step is warm-up and excluded; medians are reported with ratios vlm-grpo / TRL.
+Writes `<out>/results.json` and `<out>/results.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+TRAINERS = ("vlm-grpo", "trl", "trl-static")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-vl-3b", help="qwen2.5-vl-3b or qwen2.5-vl-7b (random weights); tiny: CPU smoke test")
+    p.add_argument("--image_size", type=int, default=448, help="side of the square synthetic images")
+    p.add_argument("--prompts", type=int, default=2, help="prompts per step")
+    p.add_argument("--num_generations", type=int, default=8, help="completions per prompt")
+    p.add_argument("--completion_length", type=int, default=256, help="forced new tokens per completion")
+    p.add_argument("--steps", type=int, default=3, help="GRPO steps per run; the first is warm-up")
+    p.add_argument("--rounds", type=int, default=1, help="alternating rounds of all trainers")
+    p.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA r=16 on all linear layers")
+    p.add_argument("--no_gradient_checkpointing", action="store_true")
+    p.add_argument("--load_in_4bit", action="store_true")
+    p.add_argument("--beta", type=float, default=0.04)
+    p.add_argument("--trainers", default=",".join(TRAINERS), help="comma-separated subset of " + ",".join(TRAINERS))
+    p.add_argument("--checkpoint_dir", default="/tmp/vlm-grpo-bench", help="where the random checkpoint is cached")
+    p.add_argument("--out", default="benchmarks/results", help="output folder for results.json / results.md")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker_out", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------------- worker process
+
+
+def _sync_time() -> float:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def _timed(base):
+    """Subclass of a GRPO trainer that times generation and scoring, and whole steps, with CUDA syncs."""
+
+    class Timed(base):
+        def _generate(self, prompts):
+            start = _sync_time()
+            out = super()._generate(prompts)
+            self._bench_generation += _sync_time() - start
+            return out
+
+        def _generate_and_score_completions(self, inputs):
+            start = _sync_time()
+            before = self._bench_generation
+            out = super()._generate_and_score_completions(inputs)
+            self._bench_scoring += (_sync_time() - start) - (self._bench_generation - before)
+            return out
+
+    return Timed
+
+
+def _callback(records: list):
+    import torch
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        trainer = None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            t = self.trainer
+            t._bench_generation = t._bench_scoring = 0.0
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            self.start = _sync_time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            total = _sync_time() - self.start
+            t = self.trainer
+            records.append({
+                "step": state.global_step, "total_s": total, "generation_s": t._bench_generation,
+                "scoring_s": t._bench_scoring, "training_s": total - t._bench_generation - t._bench_scoring,
+                "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
+            })  # fmt: skip
+
+    return StepTimer()
+
+
+def _dataset(args):
+    import numpy as np
+    from datasets import Dataset
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(args.prompts * args.steps):
+        pixels = rng.integers(0, 256, (args.image_size, args.image_size, 3), dtype=np.uint8)
+        rows.append({"prompt": [{"role": "user", "content": "Describe the image in detail ."}],
+                     "image": Image.fromarray(pixels)})  # fmt: skip
+    return Dataset.from_list(rows)
+
+
+def _reward(prompts, completions, **kwargs):
+    # Any reward that differs within a group gives non-zero advantages, so the loss and backward do real work.
+    return [float(len(str(c)) % 7) for c in completions]
+
+
+def run_worker(args) -> None:
+    import torch
+
+    from real_arch import build_checkpoint
+
+    trainer_name = args.worker
+    if args.model == "tiny":  # CPU smoke test of this harness (tests/test_benchmarks.py)
+        from vlm_grpo.tiny import build_tiny_vlm
+
+        torch.set_num_threads(1)
+        checkpoint = build_tiny_vlm("qwen2_5_vl", os.path.join(args.checkpoint_dir, "tiny"))
+    else:
+        checkpoint = build_checkpoint(args.model, os.path.join(args.checkpoint_dir, args.model))
+    on_gpu = torch.cuda.is_available()
+    common = dict(
+        output_dir=os.path.join("/tmp", f"bench-{trainer_name}"), per_device_train_batch_size=args.prompts * args.num_generations,
+        num_generations=args.num_generations, max_completion_length=args.completion_length,
+        generation_kwargs={"min_new_tokens": args.completion_length}, beta=args.beta,
+        gradient_checkpointing=not args.no_gradient_checkpointing, bf16=on_gpu, use_cpu=not on_gpu, learning_rate=1e-6,
+        max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    dataset = _dataset(args)
+    records: list = []
+    timer = _callback(records)
+    load_start = time.perf_counter()
+    if trainer_name == "vlm-grpo":
+        from vlm_grpo import FastVisionModel, VLMGRPOConfig, VLMGRPOTrainer
+
+        model, processor = FastVisionModel.from_pretrained(checkpoint, load_in_4bit=args.load_in_4bit,
+                                                           full_finetuning=args.full)  # fmt: skip
+        if not args.full:
+            model = FastVisionModel.get_peft_model(model, r=16, lora_alpha=16)
+        trainer = _timed(VLMGRPOTrainer)(model, [_reward], args=VLMGRPOConfig(**common), train_dataset=dataset,
+                                         processing_class=processor, callbacks=[timer])  # fmt: skip
+    else:
+        from peft import LoraConfig
+        from transformers import AutoModelForImageTextToText, AutoProcessor, BitsAndBytesConfig
+        from trl import GRPOConfig, GRPOTrainer
+
+        kwargs = dict(dtype=torch.bfloat16, device_map={"": 0}) if on_gpu else {}
+        if args.load_in_4bit:
+            kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=torch.bfloat16,
+            )  # fmt: skip
+        model = AutoModelForImageTextToText.from_pretrained(checkpoint, **kwargs)
+        if on_gpu:
+            processor = AutoProcessor.from_pretrained(checkpoint, padding_side="left")
+        else:  # no torchvision on CPU machines: AutoProcessor cannot build Qwen's video processor
+            from vlm_grpo.processor import load_processor
+
+            processor = load_processor(checkpoint, "qwen2_5_vl")
+        if trainer_name == "trl-static":
+            common["cache_implementation"] = "static"
+        peft_config = None if args.full else LoraConfig(r=16, lora_alpha=16, target_modules="all-linear")
+        trainer = _timed(GRPOTrainer)(model, [_reward], args=GRPOConfig(**common), train_dataset=dataset,
+                                      processing_class=processor, peft_config=peft_config, callbacks=[timer])  # fmt: skip
+    timer.trainer = trainer
+    load_s = time.perf_counter() - load_start
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    result = {"trainer": trainer_name, "load_s": load_s, "steps": records, "losses": losses, "mean_lengths": lengths,
+              "params": sum(p.numel() for p in trainer.model.parameters())}  # fmt: skip
+    with open(args.worker_out, "w") as f:
+        json.dump(result, f)
+
+
+# ----------------------------------------------------------------------------------------------- orchestrator
+
+
+def _summary(run: dict, args) -> dict:
+    measured = run["steps"][1:] or run["steps"]  # first step is warm-up (compilation, allocator growth)
+    tokens = args.prompts * args.num_generations * args.completion_length
+    med = {k: statistics.median(r[k] for r in measured) for k in ("total_s", "generation_s", "scoring_s", "training_s", "peak_gib")}
+    med["tokens_per_s"] = tokens / med["generation_s"] if med["generation_s"] else float("nan")
+    med["peak_gib"] = max(r["peak_gib"] for r in run["steps"])
+    med["warmup_s"] = run["steps"][0]["total_s"]
+    return med
+
+
+def _markdown(summaries: dict, args, env: dict) -> str:
+    head = (f"{args.model}, {args.image_size}x{args.image_size} image, {args.prompts} prompts x {args.num_generations} "
+            f"generations, {args.completion_length} new tokens, {'full' if args.full else 'LoRA r=16 all linear'}, "
+            f"gradient checkpointing {'off' if args.no_gradient_checkpointing else 'on'}, "
+            f"{'4-bit' if args.load_in_4bit else 'bf16'}, beta {args.beta}; median of steps 2..{args.steps}")  # fmt: skip
+    lines = [head, "", f"GPU: {env['gpu']}; torch {env['torch']}, transformers {env['transformers']}, trl {env['trl']}, "
+             f"peft {env['peft']}", "",
+             "| trainer | step s | generation s | scoring s | training s | gen tok/s | peak GiB | warm-up step s |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, s in summaries.items():
+        lines.append(f"| {name} | {s['total_s']:.2f} | {s['generation_s']:.2f} | {s['scoring_s']:.2f} | "
+                     f"{s['training_s']:.2f} | {s['tokens_per_s']:.0f} | {s['peak_gib']:.1f} | {s['warmup_s']:.1f} |")  # fmt: skip
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.2f}" if b else "n/a"
+
+    if "vlm-grpo" in summaries:
+        ours = summaries["vlm-grpo"]
+        for base in ("trl", "trl-static"):
+            if base in summaries:
+                b = summaries[base]
+                cells = [ratio(ours[k], b[k]) for k in ("total_s", "generation_s", "scoring_s", "training_s", "tokens_per_s", "peak_gib")]
+                lines.append(f"| ratio vlm-grpo / {base} | " + " | ".join(cells) + " | |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        run_worker(args)
+        return
+    import peft
+    import torch
+    import transformers
+    import trl
+
+    if not torch.cuda.is_available() and args.model != "tiny":
+        raise SystemExit("benchmarks/grpo_step.py needs a CUDA GPU (only --model tiny runs on CPU, as a smoke test).")
+    env = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)", "torch": torch.__version__, "transformers": transformers.__version__,
+           "trl": trl.__version__, "peft": peft.__version__}  # fmt: skip
+    os.makedirs(args.out, exist_ok=True)
+    trainers = [t for t in args.trainers.split(",") if t]
+    runs: dict = {t: [] for t in trainers}
+    forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]
+    for round_index in range(args.rounds):
+        order = trainers if round_index % 2 == 0 else trainers[::-1]  # alternate so drift hits all sides
+        for name in order:
+            out = os.path.join(args.out, f"worker-{name}-{round_index}.json")
+            cmd = [sys.executable, os.path.abspath(__file__), *forwarded, "--worker", name, "--worker_out", out]
+            start = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            print(f"[{name} round {round_index}] exit {proc.returncode} in {time.perf_counter() - start:.0f} s", flush=True)
+            if proc.returncode != 0:
+                print(proc.stdout[-2000:], proc.stderr[-6000:], flush=True)
+                continue
+            with open(out) as f:
+                runs[name].append(json.load(f))
+    summaries = {}
+    for name, name_runs in runs.items():
+        if name_runs:  # each run's first step is warm-up; the warm-up column shows the first run's
+            steps = name_runs[0]["steps"][:1] + [s for r in name_runs for s in r["steps"][1:]]
+            summaries[name] = _summary({"steps": steps}, args)
+    table = _markdown(summaries, args, env)
+    print(table, flush=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"args": vars(args), "env": env, "summaries": summaries, "runs": runs}, f, indent=1)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(table)
+
+
+if __name__ == "__main__":
+    main()

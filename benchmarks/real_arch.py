@@ -1,0 +1,106 @@
+"""Real-architecture VLMs with random weights, for GPU benchmarks and tests without Hub access.
+
+The configs are Qwen2.5-VL-3B/7B-Instruct's, written in code; the tokenizer is built locally with the
+real vocabulary size and the real special-token ids, so prompts have the real shape (a 448x448 image is
+256 image tokens) and generation costs what it costs with the real checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+VISION = dict(
+    depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14, spatial_merge_size=2,
+    temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2,
+    hidden_act="silu", in_channels=3,
+)  # fmt: skip
+TEXT = {
+    "qwen2.5-vl-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                          num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen2.5-vl-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                          num_key_value_heads=4, tie_word_embeddings=False),
+}  # fmt: skip
+VOCAB_SIZE = 151936
+# Qwen2.5's added tokens, at their real ids.
+SPECIAL = {
+    "<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<|object_ref_start|>": 151646,
+    "<|object_ref_end|>": 151647, "<|box_start|>": 151648, "<|box_end|>": 151649, "<|quad_start|>": 151650,
+    "<|quad_end|>": 151651, "<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|vision_pad|>": 151654,
+    "<|image_pad|>": 151655, "<|video_pad|>": 151656,
+}  # fmt: skip
+WORDS = "What colour is the shape ? Describe image in detail . Answer with one word red green blue yellow".split()
+
+
+def config(name: str):
+    """The transformers config of a named real architecture."""
+    from transformers import Qwen2_5_VLConfig
+
+    if name not in TEXT:
+        raise ValueError(f"Unknown architecture {name!r}; choose one of {', '.join(TEXT)}.")
+    text = dict(
+        TEXT[name], vocab_size=VOCAB_SIZE, max_position_embeddings=128000, rms_norm_eps=1e-6, hidden_act="silu",
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
+        bos_token_id=151643, eos_token_id=151645, pad_token_id=151643, use_sliding_window=False,
+    )  # fmt: skip
+    vision = dict(VISION, out_hidden_size=text["hidden_size"])
+    return Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=151655, video_token_id=151656,
+        vision_start_token_id=151652, vision_end_token_id=151653, tie_word_embeddings=text["tie_word_embeddings"],
+    )  # fmt: skip
+
+
+def tokenizer():
+    """Word-level tokenizer with Qwen2.5's vocabulary size and special-token ids (ids 0..151642 are filler words)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(WORDS)}
+    vocab.update({f"w{i}": i for i in range(len(WORDS), min(SPECIAL.values()))})
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w" + str(len(WORDS))))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<|endoftext|>", eos_token="<|im_end|>", padding_side="left",
+        unk_token="w" + str(len(WORDS)),
+    )  # fmt: skip
+    assert all(tok.convert_tokens_to_ids(t) == i for t, i in SPECIAL.items()), "special-token ids drifted"
+    return tok
+
+
+def processor():
+    """Qwen2.5-VL processor: the real image processor settings, the local tokenizer, Qwen's chat template."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from vlm_grpo.processor import build_qwen_processor
+    from vlm_grpo.tiny import _QWEN_TEMPLATE
+
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=14, merge_size=2, temporal_patch_size=2,
+        size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280},
+        image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711],
+    )  # fmt: skip
+    return build_qwen_processor("qwen2_5_vl", image_processor, tokenizer(), _QWEN_TEMPLATE)
+
+
+def build_checkpoint(name: str, out_dir: str, seed: int = 0) -> str:
+    """Write a random-weight checkpoint of `name` (bf16) with its processor; reuse it if already there."""
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        return out_dir
+    torch.manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForImageTextToText.from_config(config(name), dtype=torch.bfloat16)
+    model.generation_config = GenerationConfig(eos_token_id=[151645, 151643], pad_token_id=151643, do_sample=True)
+    tmp = out_dir + ".tmp"
+    model.save_pretrained(tmp)
+    processor().save_pretrained(tmp)
+    os.replace(tmp, out_dir)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out_dir
