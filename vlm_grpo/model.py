@@ -226,7 +226,8 @@ class FastBaseVisionModel:
         if attn_implementation is not None:
             load_kwargs["attn_implementation"] = attn_implementation
         if device_map is None and torch.cuda.is_available():
-            device_map = {"": torch.cuda.current_device()}
+            # One whole model per process: under DDP (accelerate/torchrun) each rank takes its own GPU.
+            device_map = {"": int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))}
         if device_map is not None:
             load_kwargs["device_map"] = device_map
         if load_in_4bit or load_in_8bit:

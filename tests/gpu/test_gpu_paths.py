@@ -1,0 +1,129 @@
+"""GPU paths on a real architecture (Qwen2.5-VL-3B, random weights): bf16 LoRA, 4-bit, merged export, DDP.
+
+Skipped without CUDA. Run on a GPU machine with:  python -m pytest tests/gpu -q -s
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    from real_arch import build_checkpoint
+
+    return build_checkpoint("qwen2.5-vl-3b", os.environ.get("VLM_GRPO_GPU_CHECKPOINT", "/tmp/vlm-grpo-bench/qwen2.5-vl-3b"))
+
+
+def _dataset(n=4, size=448):
+    import numpy as np
+    from datasets import Dataset
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    return Dataset.from_list([
+        {"prompt": [{"role": "user", "content": "What colour is the shape ?"}],
+         "image": Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)), "answer": "red"}
+        for _ in range(n)
+    ])  # fmt: skip
+
+
+def _varied(prompts, completions, **kwargs):
+    return [float(len(str(c)) % 5) for c in completions]
+
+
+def _train(model, processor, tmp_path, steps=2):
+    from vlm_grpo import VLMGRPOConfig, VLMGRPOTrainer
+
+    config = VLMGRPOConfig(
+        output_dir=str(tmp_path / "run"), per_device_train_batch_size=8, num_generations=4, max_completion_length=16,
+        generation_kwargs={"min_new_tokens": 16}, learning_rate=1e-3, max_steps=steps, logging_steps=1,
+        report_to="none", save_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    trainer = VLMGRPOTrainer(model, [_varied], args=config, train_dataset=_dataset(), processing_class=processor)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    print("losses", losses, "peak GiB", torch.cuda.max_memory_allocated() / 2**30)
+    assert losses and all(math.isfinite(x) for x in losses)
+    return trainer
+
+
+def test_bf16_lora_with_gradient_checkpointing_trains(checkpoint, tmp_path):
+    from vlm_grpo import FastVisionModel
+
+    model, processor = FastVisionModel.from_pretrained(checkpoint)
+    assert model.dtype == torch.bfloat16
+    model = FastVisionModel.get_peft_model(model, r=16, use_gradient_checkpointing=True)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+    trainer = _train(model, processor, tmp_path)
+    assert any(getattr(m, "gradient_checkpointing", False) for m in trainer.model.modules())
+    changed = {n for n, p in trainer.model.named_parameters() if n in before and not torch.equal(p, before[n])}
+    vision = {n for n in before if ".visual." in n}
+    print(f"lora_B changed: {len(changed)}/{len(before)} (vision {len(changed & vision)}/{len(vision)})")
+    assert vision and changed >= vision and len(changed) == len(before)
+
+
+def test_4bit_keeps_vision_unquantised_trains_and_exports_16bit(checkpoint, tmp_path):
+    import bitsandbytes as bnb
+    from transformers import AutoModelForImageTextToText
+
+    from vlm_grpo import FastVisionModel
+
+    model, processor = FastVisionModel.from_pretrained(checkpoint, load_in_4bit=True)
+    linear4 = {n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    vision_linear = [m for n, m in model.named_modules() if ".visual." in n and isinstance(m, torch.nn.Linear)]
+    print(f"4-bit layers: {len(linear4)}; vision Linear layers: {len(vision_linear)}")
+    assert linear4 and all(".language_model." in n for n in linear4)
+    assert vision_linear and not any(isinstance(m, bnb.nn.Linear4bit) for m in vision_linear)
+    assert all(m.weight.dtype == torch.bfloat16 for m in vision_linear)
+    assert not isinstance(model.lm_head, bnb.nn.Linear4bit)
+    model = FastVisionModel.get_peft_model(model, r=16)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+    trainer = _train(model, processor, tmp_path)
+    changed = [n for n, p in trainer.model.named_parameters() if n in before and not torch.equal(p, before[n])]
+    assert len(changed) == len(before)
+
+    FastVisionModel.for_inference(model)
+    messages = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour ?"}]}]]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=text, images=[[_dataset(1)[0]["image"]]], return_tensors="pt").to("cuda")
+    with torch.no_grad():
+        peft_logits = model(**inputs).logits.float()
+    out = FastVisionModel.save_pretrained_merged(model, processor, tmp_path / "merged")
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    assert "quantization_config" not in config and config["dtype"] == "float16"
+    del trainer, model
+    torch.cuda.empty_cache()
+    merged = AutoModelForImageTextToText.from_pretrained(out, device_map={"": 0}).eval()
+    assert merged.dtype == torch.float16
+    assert not any(isinstance(m, bnb.nn.Linear4bit) for m in merged.modules())
+    with torch.no_grad():
+        merged_logits = merged(**inputs).logits.float()
+    diff = (merged_logits - peft_logits).abs().max().item()
+    scale = peft_logits.abs().max().item()
+    print(f"merged vs 4-bit PEFT logits: max abs diff {diff:.4f} (max |logit| {scale:.2f})")
+    assert diff <= 0.05 * scale + 0.05
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_ddp_two_gpus_runs_the_demo_with_identical_weights(tmp_path):
+    script = os.path.join(ROOT, "tests", "scripts", "train_distributed.py")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--mixed_precision", "no", "--dynamo_backend", "no", script, str(tmp_path), "qwen2_5_vl", "5"]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": ROOT})
+    assert result.returncode == 0, result.stderr[-4000:]
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    print(records)
+    assert all(r["world_size"] == 2 and r["steps"] == 5 and r["finite"] for r in records)
+    assert records[0]["checksum"] == records[1]["checksum"]
