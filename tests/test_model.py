@@ -221,3 +221,24 @@ def test_lora_bad_arguments(tiny_dir):
         FastVisionModel.get_peft_model(model, target_modules=r".*\.nothing_here")
     with pytest.raises(ValueError, match="use_gradient_checkpointing"):
         FastVisionModel.get_peft_model(model, use_gradient_checkpointing="sometimes")
+
+
+@pytest.mark.parametrize(
+    "family, expected",
+    [("qwen2_5_vl", ["lm_head", "model.visual"]),
+     ("gemma3", ["lm_head", "model.vision_tower", "model.multi_modal_projector"]),
+     ("idefics3", ["lm_head", "model.vision_model", "model.connector"])],
+)  # fmt: skip
+def test_quantisation_skips_vision_projector_and_head_by_full_name(tiny_dir, family, expected):
+    from transformers import AutoConfig
+
+    from vlm_grpo.model import _bnb_config, _unquantised_modules
+
+    config = AutoConfig.from_pretrained(tiny_dir(family))
+    assert _unquantised_modules(config) == expected
+    # transformers 5 matches skip patterns from the start of the module name: full names must be given.
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    assert not should_convert_module(expected[1] + ".blocks.0.attn.qkv", expected)
+    assert should_convert_module("model.language_model.layers.0.self_attn.q_proj", expected)
+    assert _bnb_config(config, True, torch.bfloat16).bnb_4bit_quant_type == "nf4"

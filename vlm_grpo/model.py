@@ -367,12 +367,33 @@ class FastBaseVisionModel:
 FastVisionModel = FastBaseVisionModel
 
 
+_KEEP_16BIT = ("visual", "vision_tower", "vision_model", "multi_modal_projector", "connector", "merger")
+
+
+def _unquantised_modules(config: Any) -> list[str]:
+    """Full names of the modules bitsandbytes must skip: vision tower, projector and lm_head.
+
+    Found on a meta-device copy of the model (no memory), because transformers matches skip patterns from the
+    start of a module's name (5.x) or as substrings (4.x): exact full names work with both.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForImageTextToText
+
+    with init_empty_weights():
+        skeleton = AutoModelForImageTextToText.from_config(config)
+    names = ["lm_head"]
+    for name, _ in skeleton.named_modules():
+        if name.rsplit(".", 1)[-1] in _KEEP_16BIT and not any(name.startswith(n + ".") for n in names):
+            names.append(name)
+    return names
+
+
 def _bnb_config(config: Any, load_in_4bit: bool, dtype: torch.dtype):
     from transformers import BitsAndBytesConfig
 
     # Quantising the vision tower hurts accuracy for little memory (it is small), and lm_head is the
     # precision-critical output layer: Unsloth and the Qwen-VL QLoRA recipes both keep them in 16-bit.
-    skip = ["lm_head", "visual", "vision_tower", "vision_model", "multi_modal_projector", "connector", "merger"]
+    skip = _unquantised_modules(config)
     if load_in_4bit:
         return BitsAndBytesConfig(
             load_in_4bit=True,

@@ -40,8 +40,41 @@ def _image_only_class(class_name: str) -> type:
         base.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
         self.video_processor = None
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        out = base.save_pretrained(self, save_directory, *args, **kwargs)
+        _add_video_processor_config(save_directory, self.image_processor, class_name)
+        return out
+
     # Saved as the real class name so plain transformers (with torchvision) loads the checkpoint as usual.
-    return type(class_name, (base,), {"__init__": __init__, "__module__": base.__module__})
+    return type(class_name, (base,), {"__init__": __init__, "save_pretrained": save_pretrained, "__module__": base.__module__})
+
+
+_VIDEO_PROCESSORS = {"Qwen3VLProcessor": "Qwen3VLVideoProcessor"}
+_VIDEO_KEYS = ("size", "patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std", "do_resize",
+               "do_rescale", "rescale_factor", "do_normalize", "do_convert_rgb", "resample")
+
+
+def _add_video_processor_config(save_directory: str | os.PathLike, image_processor: Any, class_name: str) -> None:
+    """Write the video processor settings (the image processor's) next to a saved image-only processor.
+
+    With torchvision installed, `AutoProcessor` builds the full Qwen processor and needs them; the Hub's
+    checkpoints ship them, and ours must too so plain transformers loads what we save.
+    """
+    path = os.path.join(os.fspath(save_directory), "processor_config.json")
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    if "video_processor" in config:
+        return
+    image = config.get("image_processor") or image_processor.to_dict()
+    video = {k: image[k] for k in _VIDEO_KEYS if k in image}
+    video["video_processor_type"] = _VIDEO_PROCESSORS.get(class_name, "Qwen2VLVideoProcessor")
+    config["video_processor"] = video
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
 
 
 def build_qwen_processor(model_type: str, image_processor: Any, tokenizer: Any, chat_template: str | None = None):
@@ -104,7 +137,13 @@ def load_processor(path: str, model_type: str, *, padding_side: str = "left", **
     if model_type in QWEN_PROCESSORS and not _has_torchvision():
         processor = _load_qwen_image_only(path, model_type, **kwargs)
     else:
-        processor = AutoProcessor.from_pretrained(path, **kwargs)
+        try:
+            processor = AutoProcessor.from_pretrained(path, **kwargs)
+        except OSError as error:
+            # A checkpoint saved without video-processor settings (older exports): image-only still works.
+            if model_type not in QWEN_PROCESSORS or "video processor" not in str(error):
+                raise
+            processor = _load_qwen_image_only(path, model_type, **kwargs)
     tokenizer = getattr(processor, "tokenizer", processor)
     tokenizer.padding_side = padding_side
     if tokenizer.pad_token is None:  # generation with batches needs a pad token; eos is the usual stand-in
