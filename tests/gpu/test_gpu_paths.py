@@ -87,7 +87,9 @@ def test_4bit_keeps_vision_unquantised_trains_and_exports_16bit(checkpoint, tmp_
     assert vision_linear and not any(isinstance(m, bnb.nn.Linear4bit) for m in vision_linear)
     assert all(m.weight.dtype == torch.bfloat16 for m in vision_linear)
     assert not isinstance(model.lm_head, bnb.nn.Linear4bit)
-    model = FastVisionModel.get_peft_model(model, r=16)
+    # Non-zero lora_B from the start (PEFT's init_lora_weights=False), so the adapters visibly change the logits
+    # and the export check below can tell a merged checkpoint from one that lost them.
+    model = FastVisionModel.get_peft_model(model, r=16, init_lora_weights=False)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
     trainer = _train(model, processor, tmp_path)
     changed = [n for n, p in trainer.model.named_parameters() if n in before and not torch.equal(p, before[n])]
@@ -99,6 +101,8 @@ def test_4bit_keeps_vision_unquantised_trains_and_exports_16bit(checkpoint, tmp_
     inputs = processor(text=text, images=[[_dataset(1)[0]["image"]]], return_tensors="pt").to("cuda")
     with torch.no_grad():
         peft_logits = model(**inputs).logits.float()
+        with model.disable_adapter():
+            base_logits = model(**inputs).logits.float()
     out = FastVisionModel.save_pretrained_merged(model, processor, tmp_path / "merged")
     with open(os.path.join(out, "config.json")) as f:
         config = json.load(f)
@@ -110,10 +114,12 @@ def test_4bit_keeps_vision_unquantised_trains_and_exports_16bit(checkpoint, tmp_
     assert not any(isinstance(m, bnb.nn.Linear4bit) for m in merged.modules())
     with torch.no_grad():
         merged_logits = merged(**inputs).logits.float()
-    diff = (merged_logits - peft_logits).abs().max().item()
-    scale = peft_logits.abs().max().item()
-    print(f"merged vs 4-bit PEFT logits: max abs diff {diff:.4f} (max |logit| {scale:.2f})")
-    assert diff <= 0.05 * scale + 0.05
+    merged_gap = (merged_logits - peft_logits).abs().mean().item()
+    adapter_effect = (base_logits - peft_logits).abs().mean().item()
+    top1 = (merged_logits.argmax(-1) == peft_logits.argmax(-1)).float().mean().item()
+    print(f"mean |merged - peft| {merged_gap:.4f}; mean |base - peft| {adapter_effect:.4f}; top-1 agreement {top1:.3f}")
+    # bf16 4-bit compute vs fp16 dense weights differ by rounding only; losing the adapters would cost the full effect.
+    assert merged_gap < 0.1 * adapter_effect and top1 >= 0.9
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
