@@ -82,6 +82,15 @@ class VLMGRPOConfig(GRPOConfig):
         super().__post_init__()
 
 
+def _is_fresh_lora(model: Any) -> bool:
+    """True for a PEFT LoRA model whose only adapter has all-zero B matrices (so it changes nothing yet)."""
+    peft_config = getattr(model, "peft_config", None)
+    if not isinstance(peft_config, dict) or list(peft_config) != ["default"]:
+        return False
+    b_weights = [p for n, p in model.named_parameters() if ".lora_B." in n or ".lora_embedding_B." in n]
+    return bool(b_weights) and all(not p.detach().any() for p in b_weights)
+
+
 class VLMGRPOTrainer(GRPOTrainer):
     """GRPO for vision-language models. Same arguments as `trl.GRPOTrainer`.
 
@@ -151,6 +160,10 @@ class VLMGRPOTrainer(GRPOTrainer):
         if reward_funcs is not None:
             reward_funcs = [checked_reward_func(f) for f in (reward_funcs if isinstance(reward_funcs, list) else [reward_funcs])]
 
+        # TRL keeps a frozen copy of a passed-in adapter ("ref") as the KL reference, because the adapter might be
+        # pretrained. A fresh LoRA adapter (every B zero) is the identity, so the base model with the adapter disabled
+        # is the same reference without the copy's memory and compute.
+        fresh_adapter = _is_fresh_lora(model)
         super().__init__(
             model=model,
             reward_funcs=reward_funcs,
@@ -161,6 +174,9 @@ class VLMGRPOTrainer(GRPOTrainer):
             **kwargs,
         )
         unwrapped = self.accelerator.unwrap_model(self.model)
+        if fresh_adapter and "ref" in getattr(unwrapped, "peft_config", {}):
+            unwrapped.delete_adapter("ref")
+            unwrapped.set_adapter("default")
         if is_checkpointing(unwrapped):
             enable_requires_grad_hooks(unwrapped)
 
