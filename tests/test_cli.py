@@ -6,6 +6,8 @@ from transformers import AutoModelForImageTextToText
 
 from vlm_grpo.cli import main
 
+pytestmark = pytest.mark.trains
+
 
 def test_demo_runs_end_to_end_and_writes_its_outputs(tmp_path, capsys):
     out = tmp_path / "run"

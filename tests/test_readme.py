@@ -3,6 +3,8 @@
 import os
 import re
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -11,6 +13,7 @@ def _readme() -> str:
         return f.read()
 
 
+@pytest.mark.trains
 def test_quickstart_runs_as_pasted(tmp_path, monkeypatch):
     code = re.search(r"## Quickstart\s+```python\n(.*?)```", _readme(), re.DOTALL).group(1)
     monkeypatch.chdir(tmp_path)

@@ -530,3 +530,22 @@ def test_all_names_exist_and_rewards_return_one_value_per_completion() -> None:
     columns = {"answer": ["A", "B"], "bbox": [[0, 0, 1, 1], [0, 0, 1, 1]], "completion_ids": [[1], [2]], **TRL_KWARGS}
     for fn in (think_answer_format, multiple_choice, anls, iou, iou_threshold):
         assert len(fn(["p", "q"], completions, **columns)) == 2
+
+
+def test_choice_reward_needs_exactly_the_right_candidate() -> None:
+    from vlm_grpo.rewards import make_choice_reward
+
+    reward = make_choice_reward(["red", "green", "blue"], name="colour")
+    completions = ["red", "It is RED.", "red or blue", "<answer>blue</answer> red", conv("green"), "purple", ""]
+    golds = ["red", "red", "red", "blue", "green", "red", None]
+    assert reward(None, completions, answer=golds) == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0, None]
+    assert reward.__name__ == "colour"
+    with pytest.raises(ValueError, match="not one of the choices"):
+        reward(None, ["red"], answer=["magenta"])
+    with pytest.raises(ValueError, match="answer"):
+        reward(None, ["red"])
+    with pytest.raises(ValueError, match="non-empty"):
+        make_choice_reward([])
+    import pickle
+
+    assert pickle.loads(pickle.dumps(reward))(None, ["blue"], answer=["blue"]) == [1.0]

@@ -51,6 +51,7 @@ def test_config_defaults_are_vlm_friendly(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.trains
 def test_learns_colour_task_from_random_init(tiny_dir, tmp_path):
     """The acceptance bar: tiny Qwen2.5-VL, random init, held-out accuracy <= 0.35 -> >= 0.8 (chance is 0.25)."""
     train = make_visual_reasoning_dataset("color", 512, seed=0)
@@ -66,6 +67,7 @@ def test_learns_colour_task_from_random_init(tiny_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.trains
 def test_second_family_learns_too(tiny_dir, tmp_path):
     train = make_visual_reasoning_dataset("color", 512, seed=0)
     test = make_visual_reasoning_dataset("color", 64, seed=0, split="test")
@@ -82,6 +84,7 @@ def _length(prompts, completions, **kwargs):
     return [float(len(str(c))) for c in completions]
 
 
+@pytest.mark.trains
 def test_vision_lora_changes_under_checkpointing_and_reference_is_the_base(tiny_dir, tmp_path):
     model, processor = _model(tiny_dir, peft=True, finetune_language_layers=False, use_gradient_checkpointing=True)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
@@ -102,6 +105,7 @@ def test_vision_lora_changes_under_checkpointing_and_reference_is_the_base(tiny_
     assert any(getattr(m, "gradient_checkpointing", False) for m in trainer.model.modules())
 
 
+@pytest.mark.trains
 def test_pretrained_adapter_keeps_trl_reference_copy(tiny_dir, tmp_path):
     # A non-zero adapter is not the identity, so the reference must be its frozen initial copy (TRL's "ref").
     model, processor = _model(tiny_dir, peft=True, init_lora_weights=False)
@@ -127,6 +131,7 @@ LOSS_SETTINGS = {
 
 
 @pytest.mark.parametrize("setting", LOSS_SETTINGS)
+@pytest.mark.trains
 def test_trl_features_keep_working(tiny_dir, tmp_path, setting):
     model, processor = _model(tiny_dir, peft=True)
     train = make_visual_reasoning_dataset("color", 16, seed=0)
@@ -162,6 +167,7 @@ def _image_variants(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["pil", "path", "bytes", "numpy", "dict", "rgba", "palette", "gray16"])
+@pytest.mark.trains
 def test_every_image_format_trains(tiny_dir, tmp_path, kind):
     image = _image_variants(tmp_path)[kind]
     dataset = Dataset.from_list([{"prompt": "What colour is the shape?", "image": image, "answer": "red", "kind": kind}] * 4)
@@ -180,6 +186,7 @@ def test_every_image_format_trains(tiny_dir, tmp_path, kind):
     assert seen and set(seen) == {kind}
 
 
+@pytest.mark.trains
 def test_mixed_zero_one_and_several_images_per_row(tiny_dir, tmp_path):
     red, blue = Image.new("RGB", (56, 56), (255, 0, 0)), Image.new("RGB", (84, 56), (0, 0, 255))
     def user(*parts):
@@ -201,6 +208,7 @@ def test_mixed_zero_one_and_several_images_per_row(tiny_dir, tmp_path):
     _finite_losses(trainer)
 
 
+@pytest.mark.trains
 def test_pixel_budget_shrinks_images_before_the_processor(tiny_dir, tmp_path):
     big = Image.new("RGB", (448, 224), (0, 255, 0))
     dataset = Dataset.from_list([{"prompt": "What colour?", "image": big, "answer": "green"}] * 4)
@@ -221,6 +229,7 @@ def test_pixel_budget_shrinks_images_before_the_processor(tiny_dir, tmp_path):
     assert sizes and all(w * h <= 56 * 56 and abs(w / h - 2.0) < 0.2 for w, h in sizes)
 
 
+@pytest.mark.trains
 def test_model_path_is_loaded_for_you(tiny_dir, tmp_path):
     dataset = make_visual_reasoning_dataset("color", 8, seed=0)
     trainer = VLMGRPOTrainer(tiny_dir("qwen2_5_vl", words=COLORS), [choice], args=_config(tmp_path), train_dataset=dataset)
@@ -230,6 +239,19 @@ def test_model_path_is_loaded_for_you(tiny_dir, tmp_path):
 
 
 # ----- bad input: clear errors before training, or logged per-row skips -----
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_old_trl_on_cpu_is_refused_before_training(tiny_dir, tmp_path, monkeypatch):
+    import trl
+
+    model, processor = _model(tiny_dir, peft=True)
+    trainer = VLMGRPOTrainer(model, [choice], args=_config(tmp_path), train_dataset=make_visual_reasoning_dataset("color", 8),
+                             processing_class=processor)  # fmt: skip
+    monkeypatch.setattr(trl, "__version__", "1.15.0")
+    with pytest.raises(RuntimeError, match=r"trl>=1.16"):
+        trainer.train()
+    assert trainer.state.global_step == 0
 
 
 def test_unreadable_images_are_skipped_and_counted(tiny_dir, tmp_path, caplog):
@@ -292,6 +314,7 @@ def _nan_reward(prompts, completions, **kwargs):
      (_nan_reward, r"'_nan_reward' returned nan for row 0")],
     ids=["raises", "wrong_length", "nan"],
 )  # fmt: skip
+@pytest.mark.trains
 def test_bad_reward_functions_are_named_with_the_row(tiny_dir, tmp_path, func, message):
     dataset = Dataset.from_list(
         [{"prompt": "What colour?", "image": Image.new("RGB", (56, 56), c), "answer": a}
@@ -303,6 +326,7 @@ def test_bad_reward_functions_are_named_with_the_row(tiny_dir, tmp_path, func, m
         trainer.train()
 
 
+@pytest.mark.trains
 def test_stop_and_resume_continues_the_run(tiny_dir, tmp_path):
     dataset = make_visual_reasoning_dataset("color", 32, seed=0)
     out = tmp_path / "out"
@@ -329,6 +353,7 @@ def test_stop_and_resume_continues_the_run(tiny_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.trains
 def test_two_processes_with_accelerate_launch(tmp_path):
     """`accelerate launch --num_processes 2` on CPU (gloo): both ranks finish with finite loss and equal weights."""
     import json

@@ -126,6 +126,50 @@ def _hub_chat_template(repo_id: str, **kwargs: Any) -> str | None:
     return None
 
 
+def _processor_config(path: str, **kwargs: Any) -> dict:
+    from transformers.utils import cached_file
+
+    file = os.path.join(path, "processor_config.json") if os.path.isdir(path) else cached_file(
+        path, "processor_config.json", _raise_exceptions_for_missing_entries=False, **kwargs
+    )
+    if not file or not os.path.exists(file):
+        raise OSError(f"{path!r} has no processor_config.json to rebuild its processor from.")
+    with open(file, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _load_with_pil_image_processor(path: str, model_type: str, **kwargs: Any):
+    """The checkpoint's processor class, with the PIL variant of its image processor (no torchvision needed)."""
+    import importlib
+
+    import transformers
+    from transformers import AutoTokenizer
+
+    config = _processor_config(path, **kwargs)
+    image_type = (config.get("image_processor") or {}).get("image_processor_type", "")
+    pil_name = image_type.removesuffix("Fast").removesuffix("Pil") + "Pil"
+    try:  # from its module: the top-level name is a torchvision-guarded placeholder in some releases
+        module = importlib.import_module(f"transformers.models.{model_type}.image_processing_pil_{model_type}")
+        pil_class = getattr(module, pil_name, None)
+    except ImportError:
+        pil_class = None
+    processor_class = getattr(transformers, config.get("processor_class", ""), None)
+    if pil_class is None or processor_class is None:
+        raise ImportError(
+            f"{path!r} needs torchvision for its image processor ({image_type or 'unknown'}) and has no PIL variant; "
+            "install torchvision matching your torch."
+        )
+    image_processor = pil_class.from_pretrained(path, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    extra = {k: v for k, v in config.items() if k not in ("image_processor", "video_processor", "processor_class")}
+    template_file = os.path.join(path, "chat_template.jinja") if os.path.isdir(path) else None
+    chat_template = getattr(tokenizer, "chat_template", None)
+    if template_file and os.path.exists(template_file):
+        with open(template_file, encoding="utf-8") as f:
+            chat_template = f.read()
+    return processor_class(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template, **extra)
+
+
 def load_processor(path: str, model_type: str, *, padding_side: str = "left", **kwargs: Any):
     """Load the processor of a VLM checkpoint, padded on the left for generation.
 
@@ -144,6 +188,12 @@ def load_processor(path: str, model_type: str, *, padding_side: str = "left", **
             if model_type not in QWEN_PROCESSORS or "video processor" not in str(error):
                 raise
             processor = _load_qwen_image_only(path, model_type, **kwargs)
+        except (ImportError, ValueError) as error:
+            # Some transformers releases (5.17) resolve AutoImageProcessor to the torchvision class even though
+            # the family ships a PIL one; build the processor around the PIL class ourselves.
+            if "torchvision" not in str(error).lower():
+                raise
+            processor = _load_with_pil_image_processor(path, model_type, **kwargs)
     tokenizer = getattr(processor, "tokenizer", processor)
     tokenizer.padding_side = padding_side
     if tokenizer.pad_token is None:  # generation with batches needs a pad token; eos is the usual stand-in

@@ -989,7 +989,7 @@ def anls(prompts: Sequence[Any] | None, completions: Sequence[Completion], **kwa
 # Closed-vocabulary answers (colour names, directions, small counts)
 # ---------------------------------------------------------------------------------------------------------------------
 
-_WORD_RE = re.compile(r"[\w-]+")
+_CHOICE_WORD_RE = re.compile(r"[\w-]+")
 
 
 class _ChoiceReward:
@@ -1008,7 +1008,7 @@ class _ChoiceReward:
         """The candidate answers a completion names (answer tag first, else the text after any </think>)."""
         tagged = extract_answer(text)
         span = tagged if tagged is not None else _final_segment(text)
-        return {w for w in (_normalize_text(m) for m in _WORD_RE.findall(span)) if w in self.choices}
+        return {w for w in (_normalize_text(m) for m in _CHOICE_WORD_RE.findall(span)) if w in self.choices}
 
     def __call__(self, prompts: Sequence[Any] | None, completions: Sequence[Completion], **kwargs: Any):
         golds = _required_column(kwargs, "answer", self.__name__, len(completions))

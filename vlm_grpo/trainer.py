@@ -22,6 +22,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from .hooks import enable_requires_grad_hooks
+from .integrations.unsloth import maybe_patch_for_model
 from .model import FastBaseVisionModel, is_checkpointing
 from .processor import load_processor
 from .reward_checks import checked_reward_func
@@ -80,6 +81,19 @@ class VLMGRPOConfig(GRPOConfig):
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             raise ValueError(f"min_pixels ({self.min_pixels}) is larger than max_pixels ({self.max_pixels}).")
         super().__post_init__()
+
+
+def _check_trl_device_support(device: torch.device) -> None:
+    import trl
+    from packaging.version import Version
+
+    # TRL 1.15 computes every GRPO log-prob with a Triton kernel (a fused LM head) and has no CPU path: without a
+    # GPU the first step dies deep inside TRL. 1.16 added the fallback.
+    if device.type == "cpu" and Version(trl.__version__) < Version("1.16"):
+        raise RuntimeError(
+            f"trl {trl.__version__} can only train GRPO on a GPU (its log-prob kernel needs Triton on CUDA). "
+            "Train on a GPU, or upgrade to trl>=1.16 for CPU training."
+        )
 
 
 def _is_fresh_lora(model: Any) -> bool:
@@ -179,6 +193,12 @@ class VLMGRPOTrainer(GRPOTrainer):
             unwrapped.set_adapter("default")
         if is_checkpointing(unwrapped):
             enable_requires_grad_hooks(unwrapped)
+        maybe_patch_for_model(unwrapped)  # no-op unless the model came from Unsloth
+
+    def train(self, *args: Any, **kwargs: Any):
+        """`Trainer.train`, after checking this TRL can compute GRPO log-probs on this device."""
+        _check_trl_device_support(self.accelerator.device)
+        return super().train(*args, **kwargs)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         inputs = [prepare_row(row, self.min_pixels, self.max_pixels) for row in inputs]

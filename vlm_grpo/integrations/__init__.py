@@ -1,0 +1,1 @@
+"""Optional bridges to other libraries; each imports its library only when called."""
