@@ -99,31 +99,23 @@ def _load_qwen_image_only(path: str, model_type: str, **kwargs: Any):
 
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(path, **kwargs)
-    chat_template = getattr(tokenizer, "chat_template", None)
-    template_file = os.path.join(path, "chat_template.jinja") if os.path.isdir(path) else None
-    if template_file and os.path.exists(template_file):
-        with open(template_file, encoding="utf-8") as f:
-            chat_template = f.read()
-    elif os.path.isdir(path) and os.path.exists(os.path.join(path, "chat_template.json")):
-        with open(os.path.join(path, "chat_template.json"), encoding="utf-8") as f:
-            chat_template = json.load(f)["chat_template"]
-    elif not os.path.isdir(path):  # a Hub id: the template lives in its own file there
-        chat_template = _hub_chat_template(path, **kwargs) or chat_template
+    chat_template = _chat_template(path, tokenizer, **kwargs)
     return build_qwen_processor(model_type, image_processor, tokenizer, chat_template)
 
 
-def _hub_chat_template(repo_id: str, **kwargs: Any) -> str | None:
+def _chat_template(path: str, tokenizer: Any, **kwargs: Any) -> str | None:
+    """The checkpoint's chat template: its own file (local folder or Hub), else the tokenizer's."""
     from transformers.utils import cached_file
 
     for name in ("chat_template.jinja", "chat_template.json"):
         try:
-            file = cached_file(repo_id, name, _raise_exceptions_for_missing_entries=False, **kwargs)
+            file = cached_file(path, name, _raise_exceptions_for_missing_entries=False, **kwargs)
         except OSError:
             file = None
         if file:
             with open(file, encoding="utf-8") as f:
                 return f.read() if name.endswith(".jinja") else json.load(f)["chat_template"]
-    return None
+    return getattr(tokenizer, "chat_template", None)
 
 
 def _processor_config(path: str, **kwargs: Any) -> dict:
@@ -162,11 +154,7 @@ def _load_with_pil_image_processor(path: str, model_type: str, **kwargs: Any):
     image_processor = pil_class.from_pretrained(path, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     extra = {k: v for k, v in config.items() if k not in ("image_processor", "video_processor", "processor_class")}
-    template_file = os.path.join(path, "chat_template.jinja") if os.path.isdir(path) else None
-    chat_template = getattr(tokenizer, "chat_template", None)
-    if template_file and os.path.exists(template_file):
-        with open(template_file, encoding="utf-8") as f:
-            chat_template = f.read()
+    chat_template = _chat_template(path, tokenizer, **kwargs)
     return processor_class(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template, **extra)
 
 
