@@ -20,7 +20,7 @@ needs_zoo = pytest.mark.skipif(not HAS_UNSLOTH_ZOO, reason="unsloth_zoo not inst
 
 def test_importing_vlm_grpo_never_imports_unsloth_zoo():
     code = (
-        "import sys, vlm_grpo, vlm_grpo.trainer, vlm_grpo.model, vlm_grpo.rewards, vlm_grpo.cli, vlm_grpo.evaluate\n"
+        "import sys, vlm_grpo, vlm_grpo.trainer, vlm_grpo.model, vlm_grpo.rewards, vlm_grpo.cli, vlm_grpo.evaluation\n"
         "import vlm_grpo.integrations.unsloth\n"
         "from vlm_grpo import VLMGRPOTrainer, FastVisionModel\n"
         "print([m for m in sys.modules if m.startswith(('unsloth', 'unsloth_zoo'))])\n"

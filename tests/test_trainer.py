@@ -8,7 +8,7 @@ from datasets import Dataset
 from PIL import Image
 
 from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
-from vlm_grpo.evaluate import evaluate
+from vlm_grpo.evaluation import evaluate
 from vlm_grpo.model import FastVisionModel
 from vlm_grpo.reward_checks import RewardFunctionError
 from vlm_grpo.rewards import make_choice_reward

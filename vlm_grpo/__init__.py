@@ -17,7 +17,7 @@ _EXPORTS = {
     "VLMGRPOConfig": "vlm_grpo.trainer",
     "VLMGRPOTrainer": "vlm_grpo.trainer",
     "build_tiny_vlm": "vlm_grpo.tiny",
-    "evaluate": "vlm_grpo.evaluate",
+    "evaluate": "vlm_grpo.evaluation",
     "requires_grad_post_hook": "vlm_grpo.hooks",
     "requires_grad_pre_hook": "vlm_grpo.hooks",
     "enable_requires_grad_hooks": "vlm_grpo.hooks",

@@ -170,7 +170,7 @@ def run(script: ScriptArguments, config) -> dict[str, float]:
     import torch
 
     from .data import make_visual_reasoning_dataset
-    from .evaluate import evaluate
+    from .evaluation import evaluate
     from .export import atomic_directory
     from .data import answer_words
     from .rewards import iou, make_choice_reward

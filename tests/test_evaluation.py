@@ -3,7 +3,7 @@ import math
 import pytest
 
 from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
-from vlm_grpo.evaluate import evaluate, pass_at_k
+from vlm_grpo.evaluation import evaluate, pass_at_k
 from vlm_grpo.model import FastVisionModel
 from vlm_grpo.rewards import make_choice_reward
 
@@ -48,3 +48,11 @@ def test_evaluate_needs_a_reward(tiny_dir):
     model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
     with pytest.raises(ValueError, match="at least one reward"):
         evaluate(model, processor, make_visual_reasoning_dataset("color", 2), [])
+
+
+def test_package_level_evaluate_is_the_function_even_after_submodule_imports():
+    import vlm_grpo
+    import vlm_grpo.cli  # noqa: F401  (imports vlm_grpo.evaluation)
+    from vlm_grpo.evaluation import evaluate as function
+
+    assert vlm_grpo.evaluate is function and callable(vlm_grpo.evaluate)
