@@ -52,32 +52,23 @@ def test_config_defaults_are_vlm_friendly(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.trains
-def test_learns_colour_task_from_random_init(tiny_dir, tmp_path):
-    """The acceptance bar: tiny Qwen2.5-VL, random init, held-out accuracy <= 0.35 -> >= 0.8 (chance is 0.25)."""
+@pytest.mark.parametrize(
+    "family, steps, bar",
+    # The acceptance bar: tiny Qwen2.5-VL goes to >= 0.8; a second family passes a looser bar in fewer steps.
+    [("qwen2_5_vl", 400, 0.8), ("idefics3", 300, 0.6)],
+)
+def test_learns_colour_task_from_random_init(tiny_dir, tmp_path, family, steps, bar):
+    """Real training from random init: held-out accuracy <= 0.35 before (chance is 0.25), >= `bar` after."""
     train = make_visual_reasoning_dataset("color", 512, seed=0)
     test = make_visual_reasoning_dataset("color", 64, seed=0, split="test")
-    model, processor = _model(tiny_dir)
+    model, processor = _model(tiny_dir, family)
     before = evaluate(model, processor, test, [choice], max_new_tokens=4)["accuracy"]
     # The demo's recipe (vlm_grpo.cli.DEMO_DEFAULTS): 4 prompts x 16 generations, lr 5e-4.
-    config = _config(tmp_path, per_device_train_batch_size=64, num_generations=16, max_steps=400, logging_steps=50)
+    config = _config(tmp_path, per_device_train_batch_size=64, num_generations=16, max_steps=steps, logging_steps=50)
     trainer = VLMGRPOTrainer(model, [choice], args=config, train_dataset=train, processing_class=processor)
     trainer.train()
     after = evaluate(trainer.model, processor, test, [choice], max_new_tokens=4)["accuracy"]
-    assert before <= 0.35 and after >= 0.8, (before, after)
-
-
-@pytest.mark.slow
-@pytest.mark.trains
-def test_second_family_learns_too(tiny_dir, tmp_path):
-    train = make_visual_reasoning_dataset("color", 512, seed=0)
-    test = make_visual_reasoning_dataset("color", 64, seed=0, split="test")
-    model, processor = _model(tiny_dir, "idefics3")
-    before = evaluate(model, processor, test, [choice], max_new_tokens=4)["accuracy"]
-    config = _config(tmp_path, per_device_train_batch_size=64, num_generations=16, max_steps=300, logging_steps=50)
-    trainer = VLMGRPOTrainer(model, [choice], args=config, train_dataset=train, processing_class=processor)
-    trainer.train()
-    after = evaluate(trainer.model, processor, test, [choice], max_new_tokens=4)["accuracy"]
-    assert before <= 0.35 and after >= 0.6, (before, after)
+    assert before <= 0.35 and after >= bar, (before, after)
 
 
 def _length(prompts, completions, **kwargs):
