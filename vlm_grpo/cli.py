@@ -88,7 +88,8 @@ class _JsonlLogger:
         self.path = path
         open(path, "w").close()
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        """Append one JSON line per log record (main process only)."""
         if logs and state.is_world_process_zero:
             with open(self.path, "a") as f:
                 f.write(json.dumps({"step": state.global_step, **logs}) + "\n")

@@ -266,7 +266,7 @@ class FastBaseVisionModel:
         use_rslora: bool = False,
         modules_to_save: list[str] | None = None,
         **kwargs: Any,
-    ):
+    ) -> nn.Module:
         """Add LoRA adapters and return the `PeftModel`.
 
         The four `finetune_*` flags choose the Linear layers (see `select_lora_modules`); an explicit

@@ -77,7 +77,9 @@ def _add_video_processor_config(save_directory: str | os.PathLike, image_process
     os.replace(tmp, path)
 
 
-def build_qwen_processor(model_type: str, image_processor: Any, tokenizer: Any, chat_template: str | None = None):
+def build_qwen_processor(
+    model_type: str, image_processor: Any, tokenizer: Any, chat_template: str | None = None
+) -> Any:
     """Build a Qwen-VL processor from an image processor and a tokenizer, without a video processor."""
     if model_type not in QWEN_PROCESSORS:
         raise ValueError(f"{model_type!r} is not a Qwen-VL model type ({', '.join(QWEN_PROCESSORS)}).")
@@ -158,7 +160,7 @@ def _load_with_pil_image_processor(path: str, model_type: str, **kwargs: Any):
     return processor_class(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template, **extra)
 
 
-def load_processor(path: str, model_type: str, *, padding_side: str = "left", **kwargs: Any):
+def load_processor(path: str, model_type: str, *, padding_side: str = "left", **kwargs: Any) -> Any:
     """Load the processor of a VLM checkpoint, padded on the left for generation.
 
     Qwen-VL checkpoints load without torchvision (image-only processor, see the module docstring);

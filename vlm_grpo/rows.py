@@ -89,7 +89,9 @@ def _check_prompt(prompt: Any, n_images: int, index: int, name: str) -> None:
         )
 
 
-def check_dataset(dataset: Any, name: str = "train_dataset", *, check_images: bool = True, skip_bad_rows: bool = True):
+def check_dataset(
+    dataset: Any, name: str = "train_dataset", *, check_images: bool = True, skip_bad_rows: bool = True
+) -> tuple[Any, SkippedRows]:
     """Validate a dataset before training; return `(dataset, skipped)` with unreadable-image rows removed.
 
     Args:

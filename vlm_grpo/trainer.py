@@ -195,7 +195,7 @@ class VLMGRPOTrainer(GRPOTrainer):
             enable_requires_grad_hooks(unwrapped)
         maybe_patch_for_model(unwrapped)  # no-op unless the model came from Unsloth
 
-    def train(self, *args: Any, **kwargs: Any):
+    def train(self, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`, after checking this TRL can compute GRPO log-probs on this device."""
         _check_trl_device_support(self.accelerator.device)
         return super().train(*args, **kwargs)
