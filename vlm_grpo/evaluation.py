@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .model import FastBaseVisionModel
-from .rows import check_dataset, prepare_row
+from .rows import check_dataset, prepare_row, row_images
 
 __all__ = ["evaluate", "pass_at_k"]
 
@@ -112,13 +112,12 @@ def _generate(model, processor, rows, num_generations, max_new_tokens, temperatu
     images = []
     prompts = []
     for row in rows:
-        row_images = row.get("images") if "images" in row else ([row["image"]] if row.get("image") is not None else [])
-        row_images = row_images or []
+        images_of_row = row_images(row)
         prompt = row["prompt"]
         if isinstance(prompt, list):
-            prompt = prepare_multimodal_messages(prompt, images=row_images)
+            prompt = prepare_multimodal_messages(prompt, images=images_of_row)
         prompts.append(prompt)
-        images.append(row_images)
+        images.append(images_of_row)
     if isinstance(prompts[0], list):
         text = processor.apply_chat_template(prompts, add_generation_prompt=True, tokenize=False)
     else:

@@ -27,7 +27,9 @@ def _dequantized_weight(layer: nn.Module) -> torch.Tensor:
 
         return F.dequantize_4bit(weight.data, weight.quant_state).reshape(layer.out_features, layer.in_features)
     if cls == "Int8Params":
-        scale = getattr(weight, "SCB", None) or getattr(layer.state, "SCB", None)
+        scale = getattr(weight, "SCB", None)
+        if scale is None:  # not `or`: a tensor has no truth value
+            scale = layer.state.SCB
         return weight.data.float() * scale.float().unsqueeze(1) / 127.0
     return weight.data
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "VISION_TOWER_NAMES",
     "disable_requires_grad_hooks",
     "enable_requires_grad_hooks",
     "find_vision_tower",
@@ -31,7 +32,7 @@ __all__ = [
 
 _HANDLES_ATTR = "_vlm_grpo_requires_grad_handles"
 # Attribute names under which transformers' VLMs keep their vision encoder.
-_VISION_TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder")
+VISION_TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder")
 _PIXEL_KWARGS = ("pixel_values", "hidden_states", "pixel_values_videos")
 
 
@@ -88,7 +89,7 @@ def requires_grad_pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tupl
 def find_vision_tower(model: nn.Module) -> nn.Module | None:
     """Return the vision encoder of a transformers VLM (PEFT-wrapped or not), or None for a text model."""
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in _VISION_TOWER_NAMES:
+        if name.rsplit(".", 1)[-1] in VISION_TOWER_NAMES:
             return module
     return None
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .hooks import enable_requires_grad_hooks
+from .hooks import VISION_TOWER_NAMES, enable_requires_grad_hooks
 from .processor import load_processor
 
 __all__ = ["FastBaseVisionModel", "FastVisionModel", "select_lora_modules"]
@@ -312,9 +312,9 @@ class FastBaseVisionModel:
             target = _check_target_modules(model, target_modules)
 
         torch.manual_seed(random_state)
-        quantized = getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False)
-        if quantized:
-            _prepare_kbit(model)
+        # k-bit preparation: PEFT freezes the base weights and `for_training` below adds checkpointing and the
+        # input-grad hooks. peft.prepare_model_for_kbit_training would also upcast every 16-bit weight (vision
+        # tower included) to fp32, which costs GBs on a 7B model for no accuracy gain with bf16 compute.
         config = LoraConfig(
             r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=target, bias=bias,
             use_rslora=use_rslora, modules_to_save=modules_to_save, task_type="CAUSAL_LM", **kwargs,
@@ -367,7 +367,8 @@ class FastBaseVisionModel:
 FastVisionModel = FastBaseVisionModel
 
 
-_KEEP_16BIT = ("visual", "vision_tower", "vision_model", "multi_modal_projector", "connector", "merger")
+# The vision encoders (the names the hooks look for) and the projectors that feed them to the language model.
+_KEEP_16BIT = (*VISION_TOWER_NAMES, "multi_modal_projector", "connector", "merger")
 
 
 def _unquantised_modules(config: Any) -> list[str]:
@@ -403,13 +404,6 @@ def _bnb_config(config: Any, load_in_4bit: bool, dtype: torch.dtype):
             llm_int8_skip_modules=skip,
         )
     return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
-
-
-def _prepare_kbit(model: nn.Module) -> None:
-    # peft.prepare_model_for_kbit_training would upcast every 16-bit weight (vision tower included) to fp32,
-    # which costs GBs on a 7B model for no accuracy gain with bf16 compute; freezing is the part we need.
-    for param in model.parameters():
-        param.requires_grad_(False)
 
 
 def _check_target_modules(model: nn.Module, target_modules: list[str] | str) -> list[str] | str:

@@ -17,7 +17,7 @@ from typing import Any
 
 from .images import ImageError, load_image, prepare_images
 
-__all__ = ["SkippedRows", "check_dataset", "count_image_placeholders", "prepare_row"]
+__all__ = ["SkippedRows", "check_dataset", "count_image_placeholders", "prepare_row", "row_images"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,8 @@ def count_image_placeholders(prompt: Any) -> int:
     )
 
 
-def _row_images(row: dict[str, Any]) -> list[Any]:
+def row_images(row: dict[str, Any]) -> list[Any]:
+    """A row's images as a list: its `images` list, its single `image`, or [] for a text-only row."""
     if "images" in row:
         value = row["images"]
         return [] if value is None else list(value)
@@ -131,7 +132,7 @@ def check_dataset(
     skipped = SkippedRows()
     read_columns = ["prompt"] + ([image_column] if image_column else [])
     for index, row in enumerate(raw.select_columns(read_columns)):
-        images = _row_images(row)
+        images = row_images(row)
         if image_column is None and count_image_placeholders(row["prompt"]):
             raise ValueError(
                 f"{name} row {index}: the prompt has image placeholders but the dataset has no `image` or `images` "
