@@ -20,9 +20,11 @@ from typing import Any
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
+from trl.models.utils import unwrap_model_for_generation
 
 from .hooks import enable_requires_grad_hooks
 from .integrations.unsloth import maybe_patch_for_model
+from .fast_generation import FastGenerator, FastPathUnavailable
 from .model import FastBaseVisionModel, is_checkpointing
 from .processor import load_processor
 from .reward_checks import checked_reward_func
@@ -73,6 +75,21 @@ class VLMGRPOConfig(GRPOConfig):
         default=True,
         metadata={"help": "Drop rows whose images cannot be read (logged and counted in `trainer.skipped_rows`). "
                   "False: raise instead."},
+    )  # fmt: skip
+    fast_generation: bool = field(
+        default=True,
+        metadata={"help": "Generate with vlm_grpo.fast_generation: one prefill per prompt group, a static KV cache and "
+                  "a compiled decode step (same tokens as the plain path). False: TRL's `model.generate` path. "
+                  "Ignored with use_vllm."},
+    )  # fmt: skip
+    fast_generation_compile: bool | None = field(
+        default=None,
+        metadata={"help": "Compile the decode step into a CUDA graph (paid once per run). None: on CUDA, off on CPU."},
+    )
+    fast_generation_merge_lora: bool = field(
+        default=True,
+        metadata={"help": "Merge LoRA into the 16-bit base weights while generating (restored bit-exactly after; costs "
+                  "one copy of the adapted weights in memory). 4-bit bases always generate unmerged."},
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -194,6 +211,11 @@ class VLMGRPOTrainer(GRPOTrainer):
         if is_checkpointing(unwrapped):
             enable_requires_grad_hooks(unwrapped)
         maybe_patch_for_model(unwrapped)  # no-op unless the model came from Unsloth
+        self.fast_generator = FastGenerator(
+            compile=getattr(args, "fast_generation_compile", None),
+            merge_lora=getattr(args, "fast_generation_merge_lora", True),
+        )
+        self._fast_generation_fallbacks: set[str] = set()
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`, after checking this TRL can compute GRPO log-probs on this device."""
@@ -219,9 +241,40 @@ class VLMGRPOTrainer(GRPOTrainer):
         checkpointing = is_checkpointing(model)
         FastBaseVisionModel.for_inference(model)
         try:
-            return super()._generate_single_turn(*args, **kwargs)
+            return self._fast_generate(*args, **kwargs) or super()._generate_single_turn(*args, **kwargs)
         finally:
             if was_training:
                 reentrant = (self.args.gradient_checkpointing_kwargs or {}).get("use_reentrant", False)
                 mode = ("reentrant" if reentrant else True) if checkpointing else False
                 FastBaseVisionModel.for_training(model, use_gradient_checkpointing=mode)
+
+    def _fast_generation_blocker(self, has_tool_images: bool) -> str | None:
+        """Why this trainer generates on TRL's plain path (None: the fast path can serve it)."""
+        if self.use_vllm or getattr(self, "use_transformers_continuous_batching", False):
+            return "generation runs in vLLM / transformers continuous batching"
+        if getattr(self, "tools", None) or has_tool_images or getattr(self, "environment_factories", None) is not None:
+            return "tool-calling rollouts re-enter generation with tool results"
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return "sharded (DeepSpeed / FSDP) models generate on TRL's path, which gathers their weights"
+        return self.fast_generator.unsupported_reason(self.accelerator.unwrap_model(self.model))
+
+    def _fast_generate(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """Completions from `vlm_grpo.fast_generation`, or None when the plain path must serve this call."""
+        if not getattr(self.args, "fast_generation", False):
+            return None
+        reason = self._fast_generation_blocker(has_tool_images)
+        if reason is None:
+            with unwrap_model_for_generation(
+                self.model_wrapped, self.accelerator, generation_kwargs=self.generation_kwargs
+            ) as model:
+                try:
+                    completion_ids = self.fast_generator.generate(
+                        model, prompt_ids, images, multimodal_fields, self.generation_config, self._tokenizer.pad_token_id
+                    )
+                    return completion_ids, None
+                except FastPathUnavailable as error:
+                    reason = str(error)
+        if reason not in self._fast_generation_fallbacks:  # say it once per reason, not every step
+            self._fast_generation_fallbacks.add(reason)
+            logger.warning("Fast generation is off for this batch (%s); using TRL's model.generate.", reason)
+        return None
