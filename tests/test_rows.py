@@ -18,7 +18,7 @@ def test_prepare_row_normalises_fits_and_wraps_string_prompts():
     rgba = Image.new("RGBA", (200, 100), (255, 0, 0, 0))  # fully transparent -> white after normalising
     row = prepare_row({"prompt": "What colour?", "image": rgba, "answer": "red"}, max_pixels=50 * 25)
     assert row["prompt"] == [{"role": "user", "content": "What colour?"}]
-    image = row["image"]
+    [image] = row["images"]  # one `image` becomes an `images` list, as for every row TRL sees
     assert image.mode == "RGB" and image.width * image.height <= 50 * 25 and image.getpixel((0, 0)) == (255, 255, 255)
     several = prepare_row({"prompt": "x", "images": [_png(), {"bytes": _png(), "path": None}]}, min_pixels=400 * 200)
     assert [im.size for im in several["images"]] == [(400, 200)] * 2
