@@ -219,9 +219,9 @@ class FastBaseVisionModel:
                 f"{model_name!r} has no config.json, so it is not a transformers checkpoint. Point at the directory "
                 "that `save_pretrained` wrote (it holds config.json and the weights)."
             )
-        _check_quantization(load_in_4bit, load_in_8bit)
         if kwargs.get("quantization_config") is not None and (load_in_4bit or load_in_8bit):
             raise ValueError("Pass either quantization_config or load_in_4bit / load_in_8bit, not both.")
+        _check_quantization(load_in_4bit, load_in_8bit)
         if full_finetuning and (load_in_4bit or load_in_8bit or kwargs.get("quantization_config") is not None):
             raise ValueError(
                 "full_finetuning needs 16/32-bit weights: drop load_in_4bit / load_in_8bit / quantization_config, or "

@@ -147,7 +147,9 @@ def _refuse_misnamed_image_column(dataset: Any, columns: list[str], name: str) -
             continue
         feature, value = features.get(column), first.get(column) if isinstance(first, dict) else None
         if column.lower() in _IMAGE_LIKE_NAMES or _is_image_feature(feature) or _holds_images(value):
-            several = isinstance(value, (list, tuple)) or isinstance(feature, list) or hasattr(feature, "feature")
+            several = _holds_images(value) and isinstance(value, (list, tuple)) or _is_image_feature(feature) and (
+                isinstance(feature, list) or hasattr(feature, "feature")
+            )
             target = "images" if several else "image"
             raise ValueError(
                 f"{name} has no `image` or `images` column, but column `{column}` looks like it holds images, so the "
