@@ -5,7 +5,7 @@ from datasets import Dataset
 from datasets import Image as ImageFeature
 from PIL import Image
 
-from vlm_grpo.rows import check_dataset, count_image_placeholders, prepare_row, rows_for_rewards
+from vlm_grpo.rows import check_dataset, count_image_placeholders, prepare_row
 
 
 def _png(size=(20, 10), color=(0, 128, 255)):
@@ -126,6 +126,8 @@ def test_every_row_becomes_an_images_list():
 
 
 def test_rows_for_rewards_give_back_the_dataset_format():
+    from vlm_grpo.rows import rows_for_rewards
+
     chat = [{"role": "user", "content": "Chat?"}]
     rows = [prepare_row({"prompt": "<image>Colour?", "image": _img(), "answer": "red"}),
             prepare_row({"prompt": "Text?", "image": None, "answer": "blue"})]  # fmt: skip

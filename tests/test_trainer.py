@@ -1,3 +1,4 @@
+import importlib.util
 import io
 import math
 
@@ -462,12 +463,15 @@ def test_image_column_with_none_trains_through_an_all_text_batch(tiny_dir, tmp_p
         {"prompt": "What colour?", "image": red, "answer": "red"}] * 2  # fmt: skip
     model, processor = _model(tiny_dir, peft=True)
     trainer = VLMGRPOTrainer(
-        model, [choice], args=_config(tmp_path, max_steps=2, shuffle_dataset=False), train_dataset=Dataset.from_list(rows),
-        processing_class=processor,
+        model, [choice], args=_config(tmp_path, max_steps=2, shuffle_dataset=False),
+        train_dataset=Dataset.from_list(rows), processing_class=processor,
     )  # fmt: skip
     trainer.train()
     assert len(_finite_losses(trainer)) == 2
 
+
+# With bitsandbytes installed (Unsloth's environment) 4-bit may load on CPU; these tests check the refusal without it.
+_HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 
 def _remote_code_checkpoint(tiny_dir, tmp_path):
     """A tiny checkpoint whose config.json points at its own model class (`auto_map`), as Hub repos with code do."""
@@ -493,15 +497,17 @@ def _remote_code_checkpoint(tiny_dir, tmp_path):
 def test_model_name_honours_trust_remote_code_and_dtype_auto(tiny_dir, tmp_path):
     path = _remote_code_checkpoint(tiny_dir, tmp_path)
     dataset = make_visual_reasoning_dataset("color", 8, seed=0)
-    config = _config(tmp_path, beta=0.0, trust_remote_code=True, model_init_kwargs={"dtype": "auto"})
-    trainer = VLMGRPOTrainer(path, [choice], args=config, train_dataset=dataset)
-    assert type(trainer.model).__name__ == "MarkedVLM"  # the repository's own code, as TRL loads it
-    assert trainer.model.dtype == torch.float32  # the checkpoint's dtype
+    config = _config(tmp_path, beta=0.0, trust_remote_code=True)
+    trusted = VLMGRPOTrainer(path, [choice], args=config, train_dataset=dataset)
+    assert type(trusted.model).__name__ == "MarkedVLM"  # the repository's own code, as TRL loads it
     plain = VLMGRPOTrainer(path, [choice], args=_config(tmp_path, beta=0.0), train_dataset=dataset)
     assert type(plain.model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    auto = VLMGRPOTrainer(path, [choice], args=_config(tmp_path, beta=0.0, model_init_kwargs={"dtype": "auto"}),
+                          train_dataset=dataset)  # fmt: skip
+    assert auto.model.dtype == torch.float32  # the checkpoint's dtype (this tiny one is saved in float32)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only errors")
+@pytest.mark.skipif(torch.cuda.is_available() or _HAS_BNB, reason="checks the errors without a GPU and bitsandbytes")
 def test_quantization_config_reaches_the_policy_model(tiny_dir, tmp_path):
     """Could not load 4-bit here (no GPU, no bitsandbytes): transformers' own bitsandbytes error proves it got there."""
     from peft import LoraConfig

@@ -73,7 +73,8 @@ def checked_reward_func(func: Callable) -> Callable:
                 "return None for rows it cannot score."
             ) from error
         if values is None or not hasattr(values, "__len__") or len(values) != len(completions):
-            got = "None" if values is None else _count(len(values), "value") if hasattr(values, "__len__") else type(values).__name__
+            sized = hasattr(values, "__len__")
+            got = "None" if values is None else _count(len(values), "value") if sized else type(values).__name__
             raise RewardFunctionError(
                 f"Reward function {name!r} returned {got} for {_count(len(completions), 'completion')}; it must return "
                 "one float (or None) per completion, in order."

@@ -28,6 +28,7 @@ __all__ = [
     "SkippedRows",
     "check_dataset",
     "count_image_placeholders",
+    "dataset_row",
     "prepare_row",
     "row_images",
     "rows_for_rewards",
@@ -40,8 +41,8 @@ IMAGE_COLUMNS = ("image", "images")
 IMAGE_PLACEHOLDER = "<image>"
 # Column names that mean images, for the "rename it" error (columns holding images are found by their values too).
 _IMAGE_LIKE_NAMES = (
-    "img", "imgs", "picture", "pictures", "photo", "photos", "pixel_values", "figure", "figures",
-    "image_path", "image_paths", "image_file", "image_files", "image_bytes",
+    "img", "imgs", "picture", "pictures", "photo", "photos", "pixel_values", "image_path", "image_paths", "image_file",
+    "image_files", "image_bytes",
 )  # fmt: skip
 # prepare_row keeps the row's own prompt and image column name here, for `rows_for_rewards`.
 _SOURCE = "_vlm_grpo_source"
@@ -101,7 +102,7 @@ def _check_prompt(prompt: Any, n_images: int, index: int, name: str) -> None:
         if placeholders and placeholders != n_images:
             raise ValueError(
                 f"{name} row {index}: the prompt has {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) but the row has "
-                f"{n_images} image(s). Make them match, or drop the placeholders and the images are put before the text."
+                f"{n_images} image(s). Make them match, or drop the placeholders to put the images before the text."
             )
         return
     if not _is_chat(prompt):
@@ -147,10 +148,9 @@ def _refuse_misnamed_image_column(dataset: Any, columns: list[str], name: str) -
             continue
         feature, value = features.get(column), first.get(column) if isinstance(first, dict) else None
         if column.lower() in _IMAGE_LIKE_NAMES or _is_image_feature(feature) or _holds_images(value):
-            several = _holds_images(value) and isinstance(value, (list, tuple)) or _is_image_feature(feature) and (
-                isinstance(feature, list) or hasattr(feature, "feature")
-            )
-            target = "images" if several else "image"
+            list_of_images = isinstance(value, (list, tuple)) and _holds_images(value)
+            list_feature = _is_image_feature(feature) and (isinstance(feature, list) or hasattr(feature, "feature"))
+            target = "images" if list_of_images or list_feature else "image"
             raise ValueError(
                 f"{name} has no `image` or `images` column, but column `{column}` looks like it holds images, so the "
                 f"model would train without them. Rename it: `dataset = dataset.rename_column({column!r}, {target!r})` "
@@ -290,10 +290,11 @@ def rows_for_rewards(
     texts = iter(decode([ids for ids, s in zip(completion_ids, was_string) if s]) if any(was_string) else [])
     prompts = [row[_SOURCE]["prompt"] if s else p for row, p, s in zip(inputs, prompts, was_string)]
     completions = [next(texts) if s else c for c, s in zip(completions, was_string)]
-    return [_dataset_row(row) for row in inputs], prompts, completions
+    return [dataset_row(row) for row in inputs], prompts, completions
 
 
-def _dataset_row(row: dict[str, Any]) -> dict[str, Any]:
+def dataset_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A `prepare_row` result with the dataset's own prompt and image column back (and nothing internal)."""
     source = row.get(_SOURCE)
     if source is None:
         return row

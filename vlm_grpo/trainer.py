@@ -241,7 +241,7 @@ class VLMGRPOTrainer(GRPOTrainer):
         prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images = (
             super()._generate(prompts)
         )
-        if images is not None:
+        if images is not None and any(images):
             images = [[] if i is None else i for i in images]
         return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images
 
