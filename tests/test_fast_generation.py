@@ -143,14 +143,23 @@ def test_training_uses_the_fast_path_and_the_switch_turns_it_off(tiny_dir, tmp_p
     assert plain.fast_generator.stats["calls"] == 0
 
 
-def test_a_batch_the_fast_path_cannot_serve_falls_back_once_with_the_reason(tiny_dir, tmp_path, caplog):
-    # Tiny Gemma 3 has a 64-token sliding window; a long completion budget would roll the copied prefill.
-    trainer = _trainer(tiny_dir, tmp_path, "gemma3", max_new_tokens=60, min_new_tokens=1)
+@pytest.mark.parametrize(
+    "family, settings, reason",
+    [
+        # Tiny Gemma 3 has a 64-token sliding window; a long completion budget would roll the copied prefill.
+        ("gemma3", {"max_new_tokens": 60, "min_new_tokens": 1}, "sliding window"),
+        ("qwen2_5_vl", {"num_beams": 2}, "num_beams"),  # beam search is generate's, not the fast loop's
+    ],
+)
+def test_a_batch_the_fast_path_cannot_serve_falls_back_once_with_the_reason(
+    tiny_dir, tmp_path, caplog, family, settings, reason
+):
+    trainer = _trainer(tiny_dir, tmp_path, family, **settings)
     trainer.args.max_steps = 2
     with caplog.at_level(logging.WARNING, logger="vlm_grpo.trainer"):
         trainer.train()
     messages = [r.getMessage() for r in caplog.records if "Fast generation is off" in r.getMessage()]
-    assert len(messages) == 1 and "sliding window" in messages[0]
+    assert len(messages) == 1 and reason in messages[0]
     assert trainer.fast_generator.stats["calls"] == 0
 
 

@@ -226,6 +226,14 @@ class FastGenerator:
         model._prepare_special_tokens(config, True, device=device)
         eos = config._eos_token_tensor
         max_new = config.max_new_tokens
+        unsupported = {  # generate features this loop does not implement: those calls take the plain path
+            "num_beams > 1": (config.num_beams or 1) > 1,
+            "stop_strings": bool(getattr(config, "stop_strings", None)),
+            "num_return_sequences > 1": (config.num_return_sequences or 1) > 1,
+            "max_new_tokens unset": not max_new,
+        }
+        if any(unsupported.values()):
+            raise FastPathUnavailable(f"generation setting {next(k for k, v in unsupported.items() if v)}")
         batch = len(prompt_ids)
 
         # Left-padded unique prompts, and their multimodal fields.
