@@ -41,8 +41,9 @@ def _pick_split(splits: Any, split: str, source: str) -> Any:
     return splits[split]
 
 
-def load_split(source: str, split: str = "train", name: str | None = None) -> Any:
-    """One split of `source` as a `datasets.Dataset`, image columns cast to `datasets.Image`.
+def load_split(source: str, split: str = "train", name: str | None = None, image_column: str | None = None) -> Any:
+    """One split of `source` as a `datasets.Dataset`, image columns (`image`, `images`, `image_column`) holding paths
+    or bytes cast to `datasets.Image`.
 
     A single file has one split, `train`. Raises `DatasetError` for a missing path or split.
     """
@@ -57,7 +58,7 @@ def load_split(source: str, split: str = "train", name: str | None = None) -> An
                 raise DatasetError(f"{source} holds one split (a saved Dataset); use --test_size for a held-out part.")
         else:  # an image folder: metadata.jsonl / .csv next to the images, optionally train/ and test/ subfolders
             dataset = _pick_split(datasets.load_dataset("imagefolder", data_dir=path), split, source)
-        return _images_as_features(dataset, path)
+        return _images_as_features(dataset, path, image_column)
     if os.path.isfile(path):
         builder = FILE_BUILDERS.get(os.path.splitext(path)[1].lower())
         if builder is None:
@@ -65,17 +66,17 @@ def load_split(source: str, split: str = "train", name: str | None = None) -> An
         if split != "train":
             raise DatasetError(f"{source} is one file with one split; hold rows out with --test_size instead of {split!r}.")
         dataset = datasets.load_dataset(builder, data_files=path, split="train")
-        return _images_as_features(dataset, os.path.dirname(os.path.abspath(path)))
+        return _images_as_features(dataset, os.path.dirname(os.path.abspath(path)), image_column)
     if _looks_local(source):
         raise DatasetError(f"no such file or directory: {source}")
     return datasets.load_dataset(source, name, split=split)  # a Hub id
 
 
-def _images_as_features(dataset: Any, base_dir: str) -> Any:
+def _images_as_features(dataset: Any, base_dir: str, image_column: str | None) -> Any:
     """Cast image columns holding paths (relative to `base_dir`) or bytes to `datasets.Image`, checking paths exist."""
     from datasets import List, Sequence, Value
 
-    for column in [c for c in IMAGE_COLUMNS if c in dataset.column_names]:
+    for column in [c for c in (image_column, *IMAGE_COLUMNS) if c in dataset.column_names]:
         feature = dataset.features[column]
         inner = feature.feature if isinstance(feature, (List, Sequence)) else feature
         if isinstance(inner, Value) and inner.dtype in ("string", "large_string", "binary", "large_binary"):
@@ -210,8 +211,9 @@ def load_grpo_dataset(
 ) -> tuple[Any, Any | None]:
     """`(train, test)` GRPO datasets from `source`: `eval_split`, else `test_size` rows held out (a fraction < 1 or a
     count; 0: no held-out set). `columns` go to `to_grpo_rows` (column mapping, system prompt, template)."""
-    train = load_split(source, split, name)
-    test = load_split(source, eval_split, name) if eval_split else None
+    image_column = columns.get("image_column")
+    train = load_split(source, split, name, image_column)
+    test = load_split(source, eval_split, name, image_column) if eval_split else None
     if test is None and test_size:
         size = test_size if 0 < test_size < 1 else int(test_size)
         if not 0 < size < len(train):
