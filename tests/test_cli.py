@@ -26,7 +26,7 @@ def vlm_grpo(*args: str) -> subprocess.CompletedProcess:
     exe = shutil.which("vlm-grpo")
     assert exe, "the vlm-grpo console script is not installed (pip install -e .)"
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([exe, *args], capture_output=True, text=True, env=env, timeout=900,
+    return subprocess.run([exe, *args], check=False, capture_output=True, text=True, env=env, timeout=900,
                           preexec_fn=lambda: os.umask(0o022))  # fmt: skip
 
 
