@@ -53,7 +53,7 @@ def _train(model, processor, tmp_path, steps=2):
     trainer = VLMGRPOTrainer(model, [_varied], args=config, train_dataset=_dataset(), processing_class=processor)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    print("losses", losses, "peak GiB", torch.cuda.max_memory_allocated() / 2**30)
+    print("losses", losses, "peak GiB", torch.cuda.max_memory_allocated() / 2**30, "fast generation", trainer.fast_generator.stats)
     assert losses and all(math.isfinite(x) for x in losses)
     return trainer
 
@@ -133,4 +133,5 @@ def test_ddp_two_gpus_runs_the_demo_with_identical_weights(tmp_path):
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     print(records)
     assert all(r["world_size"] == 2 and r["steps"] == 5 and r["finite"] for r in records)
+    assert all(r["fast_generation"]["calls"] == 5 for r in records)  # each rank generated its share on the fast path
     assert records[0]["checksum"] == records[1]["checksum"]

@@ -38,6 +38,7 @@ def main(out_dir: str, family: str = "qwen2_5_vl", steps: int = 3) -> None:
     record = {
         "rank": rank, "world_size": trainer.accelerator.num_processes, "steps": trainer.state.global_step,
         "losses": losses, "finite": all(math.isfinite(x) for x in losses), "checksum": checksum,
+        "fast_generation": trainer.fast_generator.stats,
     }  # fmt: skip
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
