@@ -22,6 +22,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from .hooks import enable_requires_grad_hooks
+from .image_sizes import add_image_sizes
 from .integrations.unsloth import maybe_patch_for_model
 from .model import FastBaseVisionModel, is_checkpointing
 from .processor import load_processor
@@ -201,7 +202,9 @@ class VLMGRPOTrainer(GRPOTrainer):
         return super().train(*args, **kwargs)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        raw_inputs = inputs
         inputs = [prepare_row(row, self.min_pixels, self.max_pixels) for row in inputs]
+        inputs = add_image_sizes(raw_inputs, inputs, self.processing_class)  # issue 15: grounding in the model's frame
         return super()._generate_and_score_completions(inputs)
 
     def _generate(self, prompts: list):
