@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from PIL import Image
 
 from vlm_grpo.image_sizes import add_image_sizes, fed_size
@@ -30,3 +31,27 @@ def test_rows_get_source_and_fed_sizes_and_the_reward_maps_back(tiny_dir) -> Non
     reward = make_iou_reward(coordinate_frame="qwen2_5_vl")
     columns = {k: [rows[0][k]] for k in ("bbox", "source_image_size", "fed_image_size")}
     assert reward(None, [pred], **columns)[0] > 0.999
+
+
+@pytest.mark.trains
+def test_trainer_hands_the_sizes_to_reward_functions(tiny_dir, tmp_path) -> None:
+    from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
+    from vlm_grpo.model import FastVisionModel
+    from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+
+    model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl", words=answer_words("color", 1)))
+    seen = []
+
+    def spy(prompts, completions, source_image_size, fed_image_size, **kwargs):
+        seen.extend(zip(source_image_size, fed_image_size, strict=True))
+        return [0.0] * len(completions)
+
+    config = VLMGRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=2,
+        max_steps=1, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip
+    dataset = make_visual_reasoning_dataset("color", 4, image_size=60)  # 60 px is fed as 56 (a multiple of 28)
+    VLMGRPOTrainer(
+        model=model, reward_funcs=[spy], args=config, train_dataset=dataset, processing_class=processor
+    ).train()
+    assert seen and set(seen) == {((60, 60), (56, 56))}
