@@ -24,10 +24,11 @@ def test_evaluate_scores_generations_with_the_rewards(tiny_dir):
     words = answer_words("color", 1)
     model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl", words=words))
     dataset = make_visual_reasoning_dataset("color", 6, seed=0, split="test")
-    seen = []
+    seen, sizes = [], []
 
     def always_right(prompts, completions, answer, **kwargs):
         seen.append((len(completions), list(answer)))
+        sizes.extend(zip(kwargs["source_image_size"], kwargs["fed_image_size"], strict=True))
         return [1.0] * len(completions)
 
     def never(prompts, completions, **kwargs):
@@ -38,6 +39,8 @@ def test_evaluate_scores_generations_with_the_rewards(tiny_dir):
     assert result["reward/always_right"] == 1.0 and result["reward/never"] == 0.0 and result["mean_reward"] == 0.5
     assert [n for n, _ in seen] == [16, 8]  # 4 + 2 rows, 4 samples each
     assert seen[0][1][:4] == [dataset[0]["answer"]] * 4  # columns are repeated per sample, in order
+    # Grounding rewards get each image's size as stored and as the processor fed it (56 px is already a multiple of 28).
+    assert sizes == [((56, 56), (56, 56))] * 24
 
     real = evaluate(model, processor, dataset, [make_choice_reward(words)], num_generations=4, max_new_tokens=3)
     assert 0.0 <= real["pass@1"] <= real["pass@2"] <= real["pass@4"] <= 1.0

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .image_sizes import add_image_sizes
 from .model import FastBaseVisionModel
 from .rows import check_dataset, dataset_row, prepare_row, row_images
 
@@ -75,7 +76,8 @@ def evaluate(
     correct_per_row: list[int] = []
     try:
         for start in range(0, len(dataset), batch_size):
-            rows = [prepare_row(dict(r), min_pixels, max_pixels) for r in dataset.select(range(start, min(start + batch_size, len(dataset))))]
+            raw = [dict(r) for r in dataset.select(range(start, min(start + batch_size, len(dataset))))]
+            rows = add_image_sizes(raw, [prepare_row(r, min_pixels, max_pixels) for r in raw], processor)
             completions = _generate(model, processor, rows, num_generations, max_new_tokens, temperature, device)
             expanded = [dataset_row(row) for row in rows for _ in range(num_generations)]
             columns = {k: [row.get(k) for row in expanded] for k in expanded[0] if k not in ("prompt", "image", "images")}

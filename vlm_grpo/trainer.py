@@ -27,6 +27,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
 
 from .hooks import enable_requires_grad_hooks
+from .image_sizes import add_image_sizes
 from .integrations.unsloth import maybe_patch_for_model
 from .fast_generation import FastGenerator, FastPathUnavailable
 from .model import FastBaseVisionModel, is_checkpointing
@@ -255,7 +256,9 @@ class VLMGRPOTrainer(GRPOTrainer):
         return super().train(*args, **kwargs)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        raw_inputs = inputs
         inputs = [prepare_row(row, self.min_pixels, self.max_pixels) for row in inputs]
+        inputs = add_image_sizes(raw_inputs, inputs, self.processing_class)  # grounding rewards map boxes back
         return super()._generate_and_score_completions(inputs)
 
     def _generate(self, prompts: list):

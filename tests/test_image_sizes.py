@@ -1,0 +1,59 @@
+"""add_image_sizes: the fed size is what the real processor feeds, so Qwen2.5-VL boxes map back exactly."""
+
+from __future__ import annotations
+
+import pytest
+from PIL import Image
+
+from vlm_grpo.image_sizes import add_image_sizes, fed_size
+from vlm_grpo.processor import load_processor
+from vlm_grpo.rewards import make_iou_reward
+from vlm_grpo.rows import prepare_row
+
+
+def test_fed_size_is_the_processors_grid(tiny_dir) -> None:
+    processor = load_processor(tiny_dir("qwen2_5_vl"), "qwen2_5_vl")
+    ip = processor.image_processor
+    for width, height in [(640, 480), (1920, 1080), (57, 300)]:
+        grid = ip(images=[Image.new("RGB", (width, height))], return_tensors="pt")["image_grid_thw"][0]
+        assert fed_size(ip, width, height) == (int(grid[2]) * ip.patch_size, int(grid[1]) * ip.patch_size)
+
+
+def test_rows_get_source_and_fed_sizes_and_the_reward_maps_back(tiny_dir) -> None:
+    processor = load_processor(tiny_dir("qwen2_5_vl"), "qwen2_5_vl")
+    raw = [{"prompt": "where?", "image": Image.new("RGB", (640, 480)), "bbox": [160, 120, 480, 360]},
+           {"prompt": "no image", "images": []}]  # fmt: skip
+    rows = add_image_sizes(raw, [prepare_row(r, max_pixels=200704) for r in raw], processor)
+    assert rows[0]["source_image_size"] == (640, 480) and rows[1]["fed_image_size"] is None
+    fed_w, fed_h = rows[0]["fed_image_size"]
+    assert (fed_w, fed_h) != (640, 480)  # the budget shrank it: without mapping back the box would be misread
+    pred = f"[{fed_w / 4}, {fed_h / 4}, {3 * fed_w / 4}, {3 * fed_h / 4}]"
+    reward = make_iou_reward(coordinate_frame="qwen2_5_vl")
+    columns = {k: [rows[0][k]] for k in ("bbox", "source_image_size", "fed_image_size")}
+    assert reward(None, [pred], **columns)[0] > 0.999
+
+
+@pytest.mark.trains
+def test_trainer_hands_the_sizes_to_reward_functions(tiny_dir, tmp_path) -> None:
+    from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
+    from vlm_grpo.model import FastVisionModel
+    from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+
+    model, processor = FastVisionModel.from_pretrained(
+        tiny_dir("qwen2_5_vl", words=answer_words("color", 1)), full_finetuning=True
+    )
+    seen = []
+
+    def spy(prompts, completions, source_image_size, fed_image_size, **kwargs):
+        seen.extend(zip(source_image_size, fed_image_size, strict=True))
+        return [0.0] * len(completions)
+
+    config = VLMGRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=2,
+        max_steps=1, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip
+    dataset = make_visual_reasoning_dataset("color", 4, image_size=60)  # 60 px is fed as 56 (a multiple of 28)
+    VLMGRPOTrainer(
+        model=model, reward_funcs=[spy], args=config, train_dataset=dataset, processing_class=processor
+    ).train()
+    assert seen and set(seen) == {((60, 60), (56, 56))}

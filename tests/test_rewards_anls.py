@@ -1,0 +1,34 @@
+"""anls: DocVQA's ANLS on the answer tag or the conclusion (edit distance from rapidfuzz)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vlm_grpo.rewards import anls, anls_score
+
+# (label, prediction, gold(s), expected ANLS)
+SCORES = [
+    ("one substitution in three", "abX", "abc", 2 / 3),
+    ("NL exactly 0.5 is cut off", "aX", "ab", 0.0),
+    ("case and whitespace", "  HeLLo   World ", "hello world", 1.0),
+    ("max over golds", "hellp", ["goodbye", "hello"], 0.8),
+    ("both empty", "", "", 1.0),
+    ("empty prediction", "", "abc", 0.0),
+    ("empty gold list", "x", [], 0.0),
+    ("transposition costs two", "ab", "ba", 0.0),
+    ("kitten/sitting", "kitten", "sitting", 1 - 3 / 7),
+    ("insertion", "colour", "color", 1 - 1 / 6),
+    ("long ramble", "word " * 2000, "cat", 0.0),
+]
+
+
+@pytest.mark.parametrize(("pred", "gold", "expected"), [c[1:] for c in SCORES], ids=[c[0] for c in SCORES])
+def test_anls_score(pred: str, gold, expected: float) -> None:
+    assert anls_score(pred, gold) == pytest.approx(expected)
+
+
+def test_anls_reward_reads_the_answer_and_skips_missing_golds() -> None:
+    completions = ["<answer>Hello</answer>", [{"role": "assistant", "content": "hellp"}], "xyz",
+                   "<think>it says 'total'</think> <answer>$1,234</answer>", "<think>r</think> Hello", "a", "a"]  # fmt: skip
+    golds = [["hello", "hi"], "hello", "abc", ["$1,234", "1234"], "hello", None, []]
+    assert anls(None, completions, answer=golds) == [1.0, pytest.approx(0.8), 0.0, 1.0, 1.0, None, None]

@@ -1,0 +1,66 @@
+"""Verifiable rewards for GRPO on vision-language models, as TRL reward functions.
+
+Every reward is a small per-sample scorer ``(completion_text, gold, /, **row) -> float | None`` in its own module,
+made into TRL's ``fn(prompts, completions, **columns) -> list[float | None]`` by :func:`batch_reward`, which owns the
+loop, completion-text extraction (string or chat completions), column checks, ``None`` golds and TRL's extra
+logging. What each reward pays for is in the README ("Rewards").
+
+TRL's helpers are re-exported rather than rewritten: ``get_soft_overlong_punishment`` and
+``get_repetition_penalty_reward`` (they score ``completion_ids``), ``accuracy_reward`` /
+``reasoning_accuracy_reward`` / ``get_cosine_scaled_reward`` (Math-Verify on ``solution``), and
+``think_format_reward``, wrapped here so plain-string completions work too.
+"""
+
+from trl.rewards import (
+    accuracy_reward,
+    get_cosine_scaled_reward,
+    get_repetition_penalty_reward,
+    get_soft_overlong_punishment,
+    reasoning_accuracy_reward,
+)
+
+from .adaptor import BatchReward, Completion, RewardFunc, Scorer, batch_reward, completion_text
+from .anls import anls, anls_score
+from .choice import LETTERS, extract_choice, make_choice_reward, multiple_choice
+from .counting import counting, extract_count
+from .format import think_answer_format, think_format_reward
+from .grounding import FRAMES, box_iou, coordinate_frame_for, iou, iou_threshold, make_iou_reward, parse_box
+from .math import answer_accuracy, answers_match, parse_number
+from .parsing import answer_span, extract_answer, final_segment
+
+__all__ = [
+    "FRAMES",
+    "LETTERS",
+    "BatchReward",
+    "Completion",
+    "RewardFunc",
+    "Scorer",
+    "accuracy_reward",
+    "anls",
+    "anls_score",
+    "answer_accuracy",
+    "answer_span",
+    "answers_match",
+    "batch_reward",
+    "box_iou",
+    "completion_text",
+    "coordinate_frame_for",
+    "counting",
+    "extract_answer",
+    "extract_choice",
+    "extract_count",
+    "final_segment",
+    "get_cosine_scaled_reward",
+    "get_repetition_penalty_reward",
+    "get_soft_overlong_punishment",
+    "iou",
+    "iou_threshold",
+    "make_choice_reward",
+    "make_iou_reward",
+    "multiple_choice",
+    "parse_box",
+    "parse_number",
+    "reasoning_accuracy_reward",
+    "think_answer_format",
+    "think_format_reward",
+]

@@ -1,0 +1,49 @@
+"""``anls``: Average Normalized Levenshtein Similarity (DocVQA / InfographicVQA), edit distance from ``rapidfuzz``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rapidfuzz.distance import Levenshtein
+
+from .adaptor import batch_reward
+from .parsing import final_segment, last_answer_tag
+
+__all__ = ["anls", "anls_score"]
+
+
+def anls_score(pred: str, gold: str | Sequence[str], threshold: float = 0.5) -> float:
+    """ANLS of one prediction against one or several acceptable answers.
+
+    Returns:
+        The max over golds of ``1 - NL`` if ``NL < threshold`` else 0, with ``NL`` the Levenshtein distance divided
+        by the longer length, on lowercased, whitespace-collapsed strings (the official DocVQA evaluation). Two empty
+        strings score 1.0; an empty gold list scores 0.0.
+    """
+    golds = [gold] if isinstance(gold, str) else list(gold)
+    p = " ".join(pred.lower().split())
+    best = 0.0
+    for g in golds:
+        g = " ".join(str(g).lower().split())
+        if not p and not g:
+            return 1.0
+        nl = Levenshtein.normalized_distance(p, g)  # distance / max(len): DocVQA's normalisation
+        if nl < threshold:
+            best = max(best, 1.0 - nl)
+    return best
+
+
+def _prediction(text: str) -> str:
+    """The last answer tag's content, else the stripped text after ``</think>``."""
+    tagged = last_answer_tag(text)
+    return tagged if tagged is not None else final_segment(text).strip()
+
+
+@batch_reward(gold_column="answer", prediction=_prediction)
+def anls(text: str, gold: Any, /, **row: Any) -> float | None:
+    """ANLS reward (see :func:`anls_score`) of the answer tag's content, else the text after ``</think>``, against
+    column ``answer`` (an acceptable answer or a list of them; None or an empty list gives None)."""
+    if not isinstance(gold, str) and len(gold) == 0:
+        return None
+    return anls_score(_prediction(text), gold)

@@ -1,0 +1,118 @@
+"""Choice rewards: one option letter (``multiple_choice``) or one word from a closed vocabulary (``make_choice_reward``).
+
+Both pay only for an answer that names exactly one candidate, the right one: ``A and C``, ``A or B`` and
+``red or blue`` name two and score 0, so listing options can never be rewarded.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from .adaptor import BatchReward, RewardFunc, batch_reward
+from .parsing import answer_span, strip_latex_text
+
+__all__ = ["LETTERS", "extract_choice", "make_choice_reward", "multiple_choice"]
+
+#: Option letters understood everywhere (golds and predictions): A to J, as in MMMU / MMLU-Pro style benchmarks.
+LETTERS = "ABCDEFGHIJ"
+_L = f"[{LETTERS}]"
+_GOLD_RE = re.compile(rf"\s*[(\[]?\s*({_L})\s*[)\].:]?(?:\s.*)?", re.IGNORECASE | re.DOTALL)
+_LONE_RE = re.compile(rf"[\W_]*({_L})[\W_]*", re.IGNORECASE)
+# "B. cat", "(B) cat", "B) cat", "B: cat" at the start of the answer: the rest is the option's text.
+_LEADING_RE = re.compile(rf"\s*[*_]*[(\[]?({_L})(?:[)\]]|[.:](?:\s|$))", re.IGNORECASE)
+# Letters named anywhere in the answer: bracketed in any case, "option b", or a standalone capital.
+_NAMED_RES = (
+    re.compile(rf"[(\[]({_L})[)\]]", re.IGNORECASE),
+    re.compile(rf"(?i:option|choice)\s+({_L})(?![\w'])", re.IGNORECASE),
+    re.compile(rf"(?<![\w'’(\[])({_L})(?![\w'’])"),
+)
+# "A" and "I" are also an article and a pronoun: "A cat is ...", "I think ...". Followed by a lowercase word they are
+# words, unless that word joins options or says which one is right ("A and C", "A is correct").
+_WORD_AFTER_RE = re.compile(r"\s+(?!(?:and|or|nor|not|vs|is|was|fits|seems|looks)\b)[a-z]")
+
+
+def _named_letters(span: str) -> set[str]:
+    letters = set()
+    for pattern in _NAMED_RES:
+        for m in pattern.finditer(span):
+            letter = m.group(1).upper()
+            if m.group(0) == m.group(1) and letter in "AI" and _WORD_AFTER_RE.match(span, m.end()):
+                continue
+            letters.add(letter)
+    return letters
+
+
+def extract_choice(text: str) -> str | None:
+    """The one option letter (A–J) a completion chooses, or None when it names none or several.
+
+    The answer is read from :func:`~vlm_grpo.rewards.parsing.answer_span` (answer tag / ``\\boxed{}``, else the
+    sentence after "Answer:", else the text after ``</think>``): a lone letter in any case (``b``, ``(b)``,
+    ``\\text{B}``), a leading ``B.`` / ``(B)`` / ``B)`` followed by the option's text, else every letter it names
+    (bracketed, "option C", or a standalone capital; the article in "A cat" is not a choice). Two distinct letters
+    (``A and C``, ``A, B, C, D``, "C, not B") give None.
+    """
+    span = strip_latex_text(answer_span(text))
+    lone = _LONE_RE.fullmatch(span)
+    if lone:
+        return lone.group(1).upper()
+    leading = _LEADING_RE.match(span)
+    if leading:
+        return leading.group(1).upper()
+    letters = _named_letters(span)
+    return letters.pop() if len(letters) == 1 else None
+
+
+def _gold_letter(gold: Any) -> str:
+    m = _GOLD_RE.fullmatch(str(gold))
+    if not m:
+        raise ValueError(f"`multiple_choice` expects column `answer` to hold a letter A-J, got {gold!r}.")
+    return m.group(1).upper()
+
+
+@batch_reward(gold_column="answer", prediction=extract_choice)
+def multiple_choice(text: str, gold: Any, /, **row: Any) -> float:
+    """Multiple-choice accuracy: 1.0 when the completion chooses exactly one letter (see :func:`extract_choice`), the
+    gold one; else 0.0. Reads column ``answer`` (``"B"``, ``"b"``, ``"(B)"``, ``"B. cat"``); a gold that is not a
+    letter A–J raises ``ValueError`` (a data bug)."""
+    gold_letter = _gold_letter(gold)
+    return 1.0 if extract_choice(text) == gold_letter else 0.0
+
+
+_WORD_RE = re.compile(r"[\w-]+")
+
+
+def _normalize_word(s: str) -> str:
+    return " ".join(strip_latex_text(s).strip().strip("$*_\"'`").rstrip(".").lower().split())
+
+
+class ChoiceScorer:
+    """Scores closed-vocabulary answers (a class, so the reward pickles for TRL's async rollout worker)."""
+
+    def __init__(self, choices: Sequence[str]) -> None:
+        self.choices = {_normalize_word(str(c)) for c in choices}
+        if not self.choices or "" in self.choices:
+            raise ValueError("choices must be a non-empty list of non-empty answers, e.g. ['red', 'green', 'blue'].")
+
+    def named(self, text: str) -> str:
+        """The candidates the answer names, space-separated (what TRL's completions table shows)."""
+        span = answer_span(text)
+        return " ".join(sorted({w for w in map(_normalize_word, _WORD_RE.findall(span)) if w in self.choices}))
+
+    def __call__(self, text: str, gold: Any, /, **row: Any) -> float:
+        gold_word = _normalize_word(str(gold))
+        if gold_word not in self.choices:
+            raise ValueError(f"gold answer {gold!r} is not one of the choices {sorted(self.choices)}.")
+        return 1.0 if self.named(text) == gold_word else 0.0
+
+
+def make_choice_reward(choices: Sequence[str], name: str = "choice_accuracy") -> RewardFunc:
+    """Accuracy for closed-vocabulary answers: 1.0 when the answer names exactly one of ``choices``, the gold one.
+
+    Reads column ``answer``. Words are compared case-insensitively in the answer tag, else the sentence after
+    "Answer:", else the text after ``</think>``; a sentence around the word is fine ("it is red"), naming two
+    candidates ("red or blue") scores 0.0. A gold answer that is not among the choices raises ``ValueError``.
+    """
+    scorer = ChoiceScorer(choices)
+    return BatchReward(scorer, "answer", name=name, prediction=scorer.named)

@@ -1,0 +1,34 @@
+"""Format rewards: pay for the output layout, not for the answer."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from trl.rewards import think_format_reward as _trl_think_format_reward
+
+from .adaptor import Completion, batch_reward, completion_text
+
+__all__ = ["think_answer_format", "think_format_reward"]
+
+# Tempered bodies forbid nested/repeated tags, so "<think>a</think><answer>b</answer><answer>c</answer>" (two answers)
+# or a second <think> block cannot sneak through a lazy ".*?".
+_THINK_ANSWER_RE = re.compile(
+    r"\s*<think>(?:(?!</?think>).)*</think>\s*<answer>(?:(?!</?answer>).)*</answer>\s*", re.DOTALL
+)
+
+
+@batch_reward(gold_column=None)
+def think_answer_format(text: str, gold: None = None, /, **row: Any) -> float:
+    """1.0 when the whole completion (surrounding whitespace allowed) is exactly one ``<think>…</think>`` block
+    followed by exactly one ``<answer>…</answer>`` block, else 0.0. Reads no dataset column."""
+    return 1.0 if _THINK_ANSWER_RE.fullmatch(text) else 0.0
+
+
+def think_format_reward(completions: Sequence[Completion], **kwargs: Any) -> list[float]:
+    """TRL's ``think_format_reward`` (1.0 when the completion starts with one ``<think>…</think>`` block), for string
+    completions as well as chat ones: TRL's own indexes ``completion[0]["content"]`` and raises ``TypeError`` on a
+    plain string."""
+    as_chat = [[{"role": "assistant", "content": completion_text(c)}] for c in completions]
+    return _trl_think_format_reward(as_chat, **kwargs)

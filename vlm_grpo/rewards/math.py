@@ -1,0 +1,181 @@
+"""``answer_accuracy``: exact-answer accuracy for maths and short-answer VQA, decided by Math-Verify.
+
+The only hand-written comparison is a numeric fast path for what Math-Verify does not read well in short answers:
+an answer that is exactly one number with thousands separators, currency, a percent sign or a plain-word unit
+(``1,000``, ``$5``, ``50%``, ``4 apples``). Everything else (fractions, roots, sets, intervals, matrices, equations,
+``p - q`` vs ``p-q``) goes to Math-Verify on the *delimited* answer, which reads ``1, 2, 7`` as a set and ``7\\pi`` as
+a product, so neither pays for gold 7. A sentence (no tag, box or "Answer:" marker) counts only when it states
+exactly one value, one number or one ``$…$`` span: never "the last number", which pays for listing several.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import threading
+from functools import cache
+from typing import Any
+
+from .adaptor import batch_reward
+from .parsing import answer_marker, answer_span, extract_answer, strip_latex_text
+
+__all__ = ["answer_accuracy", "answers_match", "parse_number"]
+
+# Tight enough that 0.333 != 1/3, loose enough to absorb round-off from "0.1".
+REL_TOL, ABS_TOL = 1e-6, 1e-9
+
+# Thousands separators ("1,000") or a decimal comma where it cannot be one ("1,22", "0,111"), else a plain decimal.
+_NUMBER = r"[-+]?(?:0,\d+|\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+,\d{1,2}(?![\d,])|\d+(?:\.\d+)?|\.\d+)"
+# One number, optionally with currency before and %/degrees/unit words after. A unit is one or two plain words.
+_SINGLE_NUMBER_RE = re.compile(
+    rf"(?:\\?\$|€|£)?\s*(?P<num>{_NUMBER})\s*(?P<pct>\\?%|percent\b)?\s*(?:\^\s*\{{?\\circ\}}?|°)?"
+    rf"(?P<unit>\s*[a-zA-Z]{{2,}}(?:\s+[a-zA-Z]{{2,}})?)?\.?"
+)
+# A standalone number in prose: not glued to letters, other digits, LaTeX or operators ("7x", "2^7" are not numbers).
+_NUMBER_IN_PROSE_RE = re.compile(rf"(?<![\w.,\\^{{}}/*+-]){_NUMBER}(?:/\d+)?(?![\w^{{}}/*]|[.,]\d)")
+# Standalone letter runs outside LaTeX commands and environment names ("or", "is", "apples"; not "2xy" or "\\pi");
+# one that is not a maths word makes prose.
+_ENV_RE = re.compile(r"\\(?:begin|end)\s*\{[^{}]*\}")
+_WORD_RE = re.compile(r"(?<![\\a-zA-Z0-9])[a-zA-Z]{2,}(?![a-zA-Z0-9(])")
+_MATH_WORDS = frozenset({"sin", "cos", "tan", "cot", "sec", "csc", "log", "exp", "sqrt", "inf", "infty", "mod", "pi",
+                         "root", "squared", "cubed", "times", "over", "plus", "minus", "degrees", "ln", "lg", "gcd", "lcm", "det",
+                         "max", "min", "dx", "dy", "dt"})  # fmt: skip
+
+
+# LaTeX maths spans a sentence may hold: $…$, $$…$$, \(…\), \[…\].
+# Inline spans stay on one line (as Math-Verify reads them); an escaped \\$ is a dollar sign, not a delimiter.
+_MATH_SPAN_RE = re.compile(
+    r"(?<!\\)\$\$(.+?)(?<!\\)\$\$|(?<!\\)\$([^\n]+?)(?<!\\)\$|\\\(([^\n]+?)\\\)|\\\[(.+?)\\\]", re.DOTALL
+)
+_TEXT_BLOCK_RE = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mbox)\s*\{[^{}]*\}")
+
+
+def _words(s: str) -> list[str]:
+    return [w.lower() for w in _WORD_RE.findall(_ENV_RE.sub(" ", s))]
+
+
+def _is_prose(s: str) -> bool:
+    """Whether ``s`` is a sentence rather than an expression: an ordinary word of two or more letters outside its
+    maths spans and ``\\text{}`` units."""
+    outside = _TEXT_BLOCK_RE.sub(" ", _MATH_SPAN_RE.sub(" ", s))
+    return any(w not in _MATH_WORDS for w in _words(outside))
+
+
+def _single_statement(s: str) -> str | None:
+    """The one value a sentence states, else None: its only number or maths span, where spans without a digit
+    ("the largest $n$ is 34") are names of things whenever a value with a digit is also stated."""
+    spans = [next(g for g in m.groups() if g is not None).strip() for m in _MATH_SPAN_RE.finditer(s)]
+    outside = _MATH_SPAN_RE.sub(" ", s).replace("−", "-")
+    if outside.count("$") > 1:  # unbalanced or multi-line maths: nothing is stated cleanly
+        return None
+    if any(w in _MATH_WORDS for w in _words(outside)) or re.search(r"[\\^_{}=]", outside):
+        return None
+    values = {"".join(v.split()): v for v in spans + _NUMBER_IN_PROSE_RE.findall(outside)}
+    numeric = {k: v for k, v in values.items() if re.search(r"\d", k)}
+    values = numeric or values
+    if len(values) != 1:
+        return None
+    value = next(iter(values.values()))
+    return value + "%" if value in outside and re.search(re.escape(value) + r"\s*%", outside) else value
+
+
+def _clean(s: str) -> str:
+    s = strip_latex_text(s).replace("−", "-").replace("{,}", ",").replace("\\!", "").replace("\\,", ",")
+    return s.replace("\\$", "$").replace("$", "").strip()
+
+
+def _number_with_percent(s: str) -> tuple[float, bool] | None:
+    """``(value, has_percent)`` when ``s`` is exactly one number (currency, %, degrees, a unit word allowed)."""
+    m = _SINGLE_NUMBER_RE.fullmatch(_clean(s))
+    if not m or (m.group("unit") and any(w in _MATH_WORDS for w in _words(m.group("unit")))):
+        return None
+    num = m.group("num")
+    num = num.replace(",", "") if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", num) else num.replace(",", ".")
+    return float(num), bool(m.group("pct"))
+
+
+def parse_number(s: str) -> float | None:
+    """The value of a string that is exactly one number (``"1,000"``, ``"-3.0"``, ``"$5"``, ``"12%"`` -> 12.0,
+    ``"4 apples"``), else None (``"1, 2"``, ``"7x"``, ``"\\sqrt{7}"``, ``"1/2"``: fractions are Math-Verify's)."""
+    parsed = _number_with_percent(s)
+    return parsed[0] if parsed else None
+
+
+def _numbers_match(a: tuple[float, bool], b: tuple[float, bool]) -> bool:
+    """Numeric equality; when exactly one side has a percent sign, ``50%`` equals 50 and 0.5."""
+    (va, pa), (vb, pb) = a, b
+    xs = [va, va / 100] if pa and not pb else [va]
+    ys = [vb, vb / 100] if pb and not pa else [vb]
+    return any(math.isclose(x, y, rel_tol=REL_TOL, abs_tol=ABS_TOL) for x in xs for y in ys)
+
+
+def _normalize(s: str) -> str:
+    """Case/whitespace/markup-insensitive form for string equality (``**Blue**`` == ``blue``, ``(1, 2)`` == ``(1,2)``)."""
+    s = strip_latex_text(s).strip().strip("$").strip().strip("*_\"'`").strip().rstrip(".").strip().lower()
+    return " ".join(s.split()) if _is_prose(s) else "".join(s.split())
+
+
+@cache
+def _math_verify() -> Any:
+    import math_verify  # imported lazily: it pulls in sympy, slow to import
+
+    return math_verify
+
+
+def _verify(gold: str, pred: str) -> bool:
+    """Math-Verify's verdict; False on any parser failure or timeout (one odd completion must not end a run)."""
+    mv = _math_verify()
+    # Its timeouts use signal.alarm, which only works in the main thread (TRL's accuracy reward does the same).
+    main = threading.current_thread() is threading.main_thread()
+    if not main:
+        logging.getLogger("math_verify").setLevel(logging.ERROR)
+    timeout = 5 if main else None
+    try:
+        gold_parsed = mv.parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$", parsing_timeout=timeout)
+        # Always a delimited expression: on free text Math-Verify falls back to the last number it sees.
+        pred_parsed = mv.parse(f"${pred}$", parsing_timeout=timeout)
+        return bool(gold_parsed and pred_parsed and mv.verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
+    except Exception:  # noqa: BLE001 - a checker failure means "not verified"
+        return False
+
+
+def _gold_answer(gold: Any) -> str:
+    """A gold value reduced to its answer: after GSM8K's ``####``, a MATH solution's last ``\\boxed{}``, else as is."""
+    text = str(gold).strip()
+    if "####" in text:
+        return text.rpartition("####")[2].strip()
+    extracted = extract_answer(text)
+    return extracted if extracted is not None else text
+
+
+def answers_match(completion: str, gold: str) -> bool:
+    """Whether a completion's final answer equals ``gold`` (already reduced to a bare answer); see the module doc."""
+    candidate = answer_span(completion)
+    if _is_prose(candidate):  # "<answer>The answer is 7</answer>": the marked part, else the one value stated
+        candidate = answer_marker(candidate) or candidate
+    if _is_prose(candidate):
+        single = _single_statement(candidate)
+        if single is None:  # a text answer ("New York"), or a sentence naming several values
+            return _normalize(candidate) == _normalize(gold)
+        candidate = single
+    gold_number, number = _number_with_percent(gold), _number_with_percent(candidate)
+    if gold_number is not None and number is not None:
+        return _numbers_match(number, gold_number)
+    if _normalize(candidate) == _normalize(gold):
+        return True
+    if _is_prose(gold):  # a text gold ("New York"): Math-Verify would multiply the letters
+        return False
+    return _verify(gold, candidate)
+
+
+@batch_reward(gold_column=("answer", "solution"), prediction=answer_span)
+def answer_accuracy(text: str, gold: Any, /, **row: Any) -> float:
+    """Exact-answer accuracy: 1.0 when the final answer equals the gold, else 0.0 (None where the gold is None).
+
+    Reads column ``answer``, else ``solution`` (a GSM8K rationale ``… #### 42`` or a MATH solution ending in
+    ``\\boxed{…}`` is reduced to its answer). The answer is the answer tag / ``\\boxed{}`` content, else the sentence
+    after "Answer:", else the text after ``</think>``. No credit for an answer naming several values (``1, 2, 7``,
+    ``8 or 7``) or one that merely contains the gold (``7x``, ``\\sqrt{7}``, ``2^{7}``).
+    """
+    return 1.0 if answers_match(text, _gold_answer(gold)) else 0.0

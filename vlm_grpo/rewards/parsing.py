@@ -1,0 +1,96 @@
+"""Where the final answer is in a completion: answer tags, ``\\boxed{}``, an explicit "Answer:" marker, the conclusion.
+
+Every reward reads its prediction through these few functions, so they agree on what "the answer" is: the content of
+the last ``<answer>…</answer>`` tag (or the ``\\boxed{}`` inside it); else the last balanced ``\\boxed{…}``; else the
+text after the last ``</think>`` (the conclusion, not numbers or options mentioned while reasoning).
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["answer_marker", "answer_span", "extract_answer", "final_segment", "last_answer_tag", "last_boxed",
+           "strip_latex_text"]  # fmt: skip
+
+# The body may not contain another "<answer>", so for "<answer>a<answer>b</answer>" we get "b", not "a<answer>b".
+_ANSWER_TAG_RE = re.compile(r"<answer>((?:(?!<answer>).)*?)</answer>", re.DOTALL | re.IGNORECASE)
+_BOXED_START_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# "Answer: 3", "the answer is (C)", "**Final answer:** 7", "Answer = 12".
+_MARKER_RE = re.compile(r"(?i:answer)\**\s*(?:(?i:is)\b|[:=])[\s:*]*")
+# A sentence ends at ".", "!", "?" or ";" followed by whitespace (so "1.5" and "$1.5$" survive) or at a line break.
+_SENTENCE_END_RE = re.compile(r"[.!?;](?=\s)|\n")
+_TEXT_WRAPPER_RE = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
+
+
+def last_answer_tag(text: str) -> str | None:
+    """Stripped content of the last complete ``<answer>…</answer>`` tag, or None."""
+    matches = _ANSWER_TAG_RE.findall(text)
+    return matches[-1].strip() if matches else None
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last balanced ``\\boxed{…}`` (nested braces allowed), or None.
+
+    Braces are counted because a regex cannot match ``\\boxed{\\frac{1}{2}}``; an unbalanced (truncated) last box is
+    skipped in favour of an earlier complete one.
+    """
+    for start in reversed([m.end() for m in _BOXED_START_RE.finditer(text)]):
+        depth = 1
+        for i in range(start, len(text)):
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start:i].strip()
+    return None
+
+
+def extract_answer(text: str) -> str | None:
+    """The explicitly delimited final answer of a completion.
+
+    Returns:
+        The content of the last ``<answer>`` tag (its ``\\boxed{}`` part if it has one, so
+        ``<answer>\\boxed{5}</answer>`` gives ``"5"``); else the content of the last balanced ``\\boxed{…}``; else
+        None.
+    """
+    tagged = last_answer_tag(text)
+    if tagged is not None:
+        boxed = last_boxed(tagged)
+        return boxed if boxed is not None else tagged
+    return last_boxed(text)
+
+
+def final_segment(text: str) -> str:
+    """Text after the last ``</think>`` when that is non-blank, else the whole text."""
+    _, sep, tail = text.rpartition("</think>")
+    return tail if sep and tail.strip() else text
+
+
+def answer_marker(text: str) -> str | None:
+    """The sentence after the last explicit answer marker ("Answer: 3.", "the answer is C"), stripped, or None.
+
+    An explicit marker is a commitment: in "Answer: 3. There are 2 big ones and 1 small one." it is what counts.
+    """
+    matches = list(_MARKER_RE.finditer(text))
+    if not matches:
+        return None
+    rest = text[matches[-1].end() :]
+    end = _SENTENCE_END_RE.search(rest)
+    return (rest[: end.start()] if end else rest).strip().strip("*").strip() or None
+
+
+def answer_span(text: str) -> str:
+    """The part of a completion that holds its answer: :func:`extract_answer`, else the marked sentence, else the
+    stripped conclusion (:func:`final_segment`)."""
+    extracted = extract_answer(text)
+    if extracted is not None:
+        return extracted
+    segment = final_segment(text)
+    marked = answer_marker(segment)
+    return marked if marked is not None else segment.strip()
+
+
+def strip_latex_text(s: str) -> str:
+    """``\\text{B}`` -> ``B``, ``\\mathrm{cm}`` -> ``cm``: LaTeX text wrappers removed, their content kept."""
+    return _TEXT_WRAPPER_RE.sub(r"\1", s)
