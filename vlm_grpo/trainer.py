@@ -27,6 +27,7 @@ from .model import FastBaseVisionModel, is_checkpointing
 from .processor import load_processor
 from .reward_checks import checked_reward_func
 from .rows import check_dataset, prepare_row
+from .shared_prefix import SharedPrefixUnsupported, shared_prefix_logps
 
 __all__ = ["VLMGRPOConfig", "VLMGRPOTrainer"]
 
@@ -73,6 +74,12 @@ class VLMGRPOConfig(GRPOConfig):
         default=True,
         metadata={"help": "Drop rows whose images cannot be read (logged and counted in `trainer.skipped_rows`). "
                   "False: raise instead."},
+    )  # fmt: skip
+    shared_prefix: bool = field(
+        default=True,
+        metadata={"help": "Compute each group's prompt and images once when scoring and training (the G completions "
+                  "of a prompt packed into one row that attends to it; same log-probs and gradients). Models or "
+                  "settings it cannot serve (e.g. FlashAttention) fall back to TRL's per-row forward, logged once."},
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -225,3 +232,30 @@ class VLMGRPOTrainer(GRPOTrainer):
                 reentrant = (self.args.gradient_checkpointing_kwargs or {}).get("use_reentrant", False)
                 mode = ("reentrant" if reentrant else True) if checkpointing else False
                 FastBaseVisionModel.for_training(model, use_gradient_checkpointing=mode)
+
+    shared_prefix_calls: int = 0  # log-prob computations served by the shared-prefix path
+
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+        compute_aux_loss=False, **model_inputs,
+    ):  # fmt: skip
+        # Each group's prompt and images computed once (vlm_grpo.shared_prefix), else TRL's per-row forward.
+        if getattr(self.args, "shared_prefix", False):
+            try:
+                with self.accelerator.autocast():
+                    logps, entropies = shared_prefix_logps(
+                        model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                        compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
+                        unwrapped_model=self.accelerator.unwrap_model(model), **model_inputs,
+                    )  # fmt: skip
+                self.shared_prefix_calls += 1
+                return logps, entropies, None
+            except SharedPrefixUnsupported as error:
+                fallbacks = self.__dict__.setdefault("shared_prefix_fallbacks", {})
+                if str(error) not in fallbacks:
+                    logger.warning("Shared-prefix scoring off for this call, using TRL's per-row forward: %s", error)
+                fallbacks[str(error)] = fallbacks.get(str(error), 0) + 1
+        return super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, compute_entropy=compute_entropy,
+            compute_aux_loss=compute_aux_loss, **model_inputs,
+        )  # fmt: skip
