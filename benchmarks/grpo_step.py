@@ -191,7 +191,10 @@ def run_worker(args) -> None:
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     result = {"trainer": trainer_name, "load_s": load_s, "steps": records, "losses": losses, "mean_lengths": lengths,
-              "params": sum(p.numel() for p in trainer.model.parameters())}  # fmt: skip
+              "params": sum(p.numel() for p in trainer.model.parameters()),
+              # vlm-grpo: log-prob calls served by the shared-prefix path, and why any fell back to TRL's
+              "shared_prefix_calls": getattr(trainer, "shared_prefix_calls", None),
+              "shared_prefix_fallbacks": getattr(trainer, "shared_prefix_fallbacks", {})}  # fmt: skip
     with open(args.worker_out, "w") as f:
         json.dump(result, f)
 

@@ -58,8 +58,7 @@ class SharedPrefixUnsupported(Exception):
 
 
 def _core_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under DDP / PEFT wrappers."""
-    model = getattr(model, "module", model)
+    """The transformers model under a PEFT wrapper."""
     get_base_model = getattr(model, "get_base_model", None)
     return get_base_model() if callable(get_base_model) else model
 
