@@ -28,7 +28,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-TRAINERS = ("vlm-grpo", "trl", "trl-static")
+TRAINERS = ("vlm-grpo", "trl", "trl-static", "vlm-grpo-unmerged", "vlm-grpo-plain")
+# vlm-grpo variants: the default (fast generation with LoRA merged while generating), LoRA left unmerged while
+# generating, and TRL's plain generation path (what vlm-grpo did before vlm_grpo.fast_generation).
+VLM_VARIANTS = {
+    "vlm-grpo": {},
+    "vlm-grpo-unmerged": {"fast_generation_merge_lora": False},
+    "vlm-grpo-plain": {"fast_generation": False},
+}
 
 
 def parse_args(argv=None):
@@ -39,6 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--num_generations", type=int, default=8, help="completions per prompt")
     p.add_argument("--completion_length", type=int, default=256, help="forced new tokens per completion")
     p.add_argument("--steps", type=int, default=3, help="GRPO steps per run; the first is warm-up")
+    p.add_argument("--steps_trl", type=int, default=None, help="steps for the trl / trl-static runs (default: --steps)")
     p.add_argument("--rounds", type=int, default=1, help="alternating rounds of all trainers")
     p.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA r=16 on all linear layers")
     p.add_argument("--no_gradient_checkpointing", action="store_true")
@@ -147,14 +155,16 @@ def run_worker(args) -> None:
         num_generations=args.num_generations, max_completion_length=args.completion_length,
         generation_kwargs={"min_new_tokens": args.completion_length}, beta=args.beta,
         gradient_checkpointing=not args.no_gradient_checkpointing, bf16=on_gpu, use_cpu=not on_gpu, learning_rate=1e-6,
-        max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
+        max_steps=args.steps if trainer_name in VLM_VARIANTS or args.steps_trl is None else args.steps_trl, logging_steps=1, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
     )  # fmt: skip
     dataset = _dataset(args)
     records: list = []
     timer = _callback(records)
     load_start = time.perf_counter()
-    if trainer_name == "vlm-grpo":
+    if trainer_name in VLM_VARIANTS:
         from vlm_grpo import FastVisionModel, VLMGRPOConfig, VLMGRPOTrainer
+
+        common.update(VLM_VARIANTS[trainer_name])
 
         model, processor = FastVisionModel.from_pretrained(checkpoint, load_in_4bit=args.load_in_4bit,
                                                            full_finetuning=args.full)  # fmt: skip
@@ -190,8 +200,12 @@ def run_worker(args) -> None:
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    import torch._dynamo.utils
+
     result = {"trainer": trainer_name, "load_s": load_s, "steps": records, "losses": losses, "mean_lengths": lengths,
               "params": sum(p.numel() for p in trainer.model.parameters()),
+              "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+              "fast_generation": dict(getattr(getattr(trainer, "fast_generator", None), "stats", {})),
               # vlm-grpo: log-prob calls served by the shared-prefix path, and why any fell back to TRL's
               "shared_prefix_calls": getattr(trainer, "shared_prefix_calls", None),
               "shared_prefix_fallbacks": getattr(trainer, "shared_prefix_fallbacks", {})}  # fmt: skip
@@ -209,6 +223,9 @@ def _summary(run: dict, args) -> dict:
     med["tokens_per_s"] = tokens / med["generation_s"] if med["generation_s"] else float("nan")
     med["peak_gib"] = max(r["peak_gib"] for r in run["steps"])
     med["warmup_s"] = run["steps"][0]["total_s"]
+    med["ms_per_token"] = 1000 * med["generation_s"] / args.completion_length  # prefill included: an upper bound
+    med["graphs"] = run.get("compiled_graphs", 0)
+    med["steps"] = len(run["steps"])
     return med
 
 
@@ -219,21 +236,23 @@ def _markdown(summaries: dict, args, env: dict) -> str:
             f"{'4-bit' if args.load_in_4bit else 'bf16'}, beta {args.beta}; median of steps 2..{args.steps}")  # fmt: skip
     lines = [head, "", f"GPU: {env['gpu']}; torch {env['torch']}, transformers {env['transformers']}, trl {env['trl']}, "
              f"peft {env['peft']}", "",
-             "| trainer | step s | generation s | scoring s | training s | gen tok/s | peak GiB | warm-up step s |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| trainer | step s | generation s | scoring s | training s | gen tok/s | ms/token | peak GiB | warm-up step s "
+             "| compiled graphs / steps |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, s in summaries.items():
         lines.append(f"| {name} | {s['total_s']:.2f} | {s['generation_s']:.2f} | {s['scoring_s']:.2f} | "
-                     f"{s['training_s']:.2f} | {s['tokens_per_s']:.0f} | {s['peak_gib']:.1f} | {s['warmup_s']:.1f} |")  # fmt: skip
+                     f"{s['training_s']:.2f} | {s['tokens_per_s']:.0f} | {s['ms_per_token']:.1f} | {s['peak_gib']:.1f} | "
+                     f"{s['warmup_s']:.1f} | {s['graphs']} / {s['steps']} |")  # fmt: skip
     def ratio(a: float, b: float) -> str:
         return f"{a / b:.2f}" if b else "n/a"
 
-    if "vlm-grpo" in summaries:
-        ours = summaries["vlm-grpo"]
+    for mine in (n for n in summaries if n in VLM_VARIANTS):
+        ours = summaries[mine]
         for base in ("trl", "trl-static"):
             if base in summaries:
                 b = summaries[base]
-                cells = [ratio(ours[k], b[k]) for k in ("total_s", "generation_s", "scoring_s", "training_s", "tokens_per_s", "peak_gib")]
-                lines.append(f"| ratio vlm-grpo / {base} | " + " | ".join(cells) + " | |")
+                keys = ("total_s", "generation_s", "scoring_s", "training_s", "tokens_per_s", "ms_per_token", "peak_gib")
+                lines.append(f"| ratio {mine} / {base} | " + " | ".join(ratio(ours[k], b[k]) for k in keys) + " | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -272,7 +291,7 @@ def main(argv=None) -> None:
     for name, name_runs in runs.items():
         if name_runs:  # each run's first step is warm-up; the warm-up column shows the first run's
             steps = name_runs[0]["steps"][:1] + [s for r in name_runs for s in r["steps"][1:]]
-            summaries[name] = _summary({"steps": steps}, args)
+            summaries[name] = _summary({"steps": steps, "compiled_graphs": name_runs[0].get("compiled_graphs", 0)}, args)
     table = _markdown(summaries, args, env)
     print(table, flush=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:

@@ -1,3 +1,4 @@
+import importlib.util
 import re
 
 import pytest
@@ -242,3 +243,42 @@ def test_quantisation_skips_vision_projector_and_head_by_full_name(tiny_dir, fam
     assert not should_convert_module(expected[1] + ".blocks.0.attn.qkv", expected)
     assert should_convert_module("model.language_model.layers.0.self_attn.q_proj", expected)
     assert _bnb_config(config, True, torch.bfloat16).bnb_4bit_quant_type == "nf4"
+
+
+# With bitsandbytes installed (Unsloth's environment) 4-bit may load on CPU; these tests check the refusal without it.
+_HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
+
+def _copy_checkpoint(src, dst, **config_updates):
+    """A copy of a tiny checkpoint with config.json fields changed."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(config_updates)
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
+
+
+def test_dtype_auto_keeps_the_checkpoint_dtype(tiny_dir, tmp_path):
+    # "auto" means the checkpoint's own dtype (transformers, TRL); it used to crash (`torch.auto`).
+    path = _copy_checkpoint(tiny_dir("qwen2_5_vl"), tmp_path / "bf16", dtype="bfloat16")
+    assert FastVisionModel.from_pretrained(path, dtype="auto")[0].dtype == torch.bfloat16
+    default = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    assert FastVisionModel.from_pretrained(path)[0].dtype == default
+    with pytest.raises(ValueError, match="'auto'"):
+        FastVisionModel.from_pretrained(path, dtype="bfloat17")
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or _HAS_BNB, reason="checks the error without a GPU and bitsandbytes")
+def test_quantization_config_reaches_transformers_and_full_finetuning_is_refused(tiny_dir):
+    from transformers import BitsAndBytesConfig
+
+    bnb = BitsAndBytesConfig(load_in_4bit=True)
+    with pytest.raises(ValueError, match="full_finetuning needs 16/32-bit"):
+        FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"), full_finetuning=True, quantization_config=bnb)
+    with pytest.raises(ValueError, match="not both"):
+        FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"), load_in_4bit=True, quantization_config=bnb)
+    # Without a GPU (and bitsandbytes) transformers' own quantizer refuses it: proof the config got there.
+    with pytest.raises((ImportError, RuntimeError, ValueError), match="(?i)bitsandbytes|gpu|cuda"):
+        FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"), quantization_config=bnb)

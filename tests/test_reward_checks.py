@@ -23,7 +23,7 @@ def test_raise_names_function_and_first_failing_row():
 
 @pytest.mark.parametrize(
     "values, message",
-    [([1.0], "returned 1 values for 2 completions"), (None, "returned None for 2"),
+    [([1.0], "returned 1 value for 2 completions"), (None, "returned None for 2"),
      ([1.0, float("nan")], "returned nan for row 1"), ([float("inf"), 0.0], "returned inf for row 0"),
      (["high", 0.0], "returned 'high' for row 0")],
 )  # fmt: skip

@@ -18,7 +18,7 @@ def test_prepare_row_normalises_fits_and_wraps_string_prompts():
     rgba = Image.new("RGBA", (200, 100), (255, 0, 0, 0))  # fully transparent -> white after normalising
     row = prepare_row({"prompt": "What colour?", "image": rgba, "answer": "red"}, max_pixels=50 * 25)
     assert row["prompt"] == [{"role": "user", "content": "What colour?"}]
-    image = row["image"]
+    [image] = row["images"]  # one `image` becomes an `images` list, as for every row TRL sees
     assert image.mode == "RGB" and image.width * image.height <= 50 * 25 and image.getpixel((0, 0)) == (255, 255, 255)
     several = prepare_row({"prompt": "x", "images": [_png(), {"bytes": _png(), "path": None}]}, min_pixels=400 * 200)
     assert [im.size for im in several["images"]] == [(400, 200)] * 2
@@ -60,3 +60,84 @@ def test_non_chat_prompt_objects_are_rejected():
     dataset = Dataset.from_list([{"prompt": [{"text": "no role"}]}])
     with pytest.raises(ValueError, match="chat messages"):
         check_dataset(dataset)
+
+
+def _img(color=(255, 0, 0)):
+    return Image.new("RGB", (28, 28), color)
+
+
+def test_string_prompt_image_placeholders_place_the_images():
+    # LLaVA / EasyR1 / geometry3k `problem` style: the images go where the placeholders are.
+    row = prepare_row({"prompt": "<image>Compare with <image>. Which is red?", "images": [_img(), _img((0, 0, 255))]})
+    [message] = row["prompt"]
+    assert message["role"] == "user"
+    assert [part["type"] for part in message["content"]] == ["image", "text", "image", "text"]
+    assert message["content"][1]["text"] == "Compare with " and message["content"][3]["text"] == ". Which is red?"
+    assert len(row["images"]) == 2
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [([{"prompt": "<image>What colour?"}], r"row 0: .*no `image` or `images` column"),
+     ([{"prompt": "ok", "image": _img()}, {"prompt": "<image> and <image>?", "image": _img()}],
+      r"row 1: .*2 <image> placeholder\(s\) but the row has 1 image"),
+     ([{"prompt": "<image>?", "images": []}], r"row 0: .*1 <image> placeholder\(s\) but the row has 0 image")],
+    ids=["no_image_column", "more_placeholders", "no_images"],
+)  # fmt: skip
+def test_string_placeholder_problems_raise_naming_the_row(rows, message):
+    with pytest.raises(ValueError, match=message):
+        check_dataset(Dataset.from_list(rows))
+
+
+def test_string_placeholders_matching_the_images_pass():
+    rows = [{"prompt": "<image>What colour?", "image": _img()}, {"prompt": "Text only.", "image": None}]
+    assert len(check_dataset(Dataset.from_list(rows))[0]) == 2
+
+
+@pytest.mark.parametrize(
+    "column, values, target",
+    [("img", [_img()], "image"), ("photos", [[_img(), _img()]], "images"),
+     ("picture", [{"bytes": _png(), "path": None}], "image"), ("pixel_values", [[[0.0]]], "image"),
+     ("scan", [{"bytes": _png(), "path": None}], "image")],
+    ids=["pil", "pil_list", "image_dict", "obvious_name", "image_feature"],
+)  # fmt: skip
+def test_images_under_another_column_name_are_refused(column, values, target):
+    dataset = Dataset.from_dict({"prompt": ["What colour?"] * len(values), column: values, "image_size": [(28, 28)]})
+    if column == "scan":
+        dataset = dataset.cast_column("scan", ImageFeature())
+    with pytest.raises(ValueError, match=rf"column `{column}`.*rename_column\('{column}', '{target}'\)"):
+        check_dataset(dataset)
+    # Streaming datasets are checked by column name / feature only.
+    if column in ("img", "scan"):
+        with pytest.raises(ValueError, match=f"`{column}`"):
+            check_dataset(dataset.to_iterable_dataset())
+
+
+def test_text_only_dataset_with_other_columns_passes():
+    dataset = Dataset.from_dict({"prompt": ["q"], "answer": ["a"], "image_size": [(28, 28)]})
+    assert check_dataset(dataset)[0] is dataset
+
+
+def test_every_row_becomes_an_images_list():
+    with_image = prepare_row({"prompt": "q", "image": _img()})
+    without = prepare_row({"prompt": "q", "image": None})
+    assert len(with_image["images"]) == 1 and without["images"] == [] and "image" not in without
+    assert prepare_row({"prompt": "q", "images": None})["images"] == []
+
+
+def test_rows_for_rewards_give_back_the_dataset_format():
+    from vlm_grpo.rows import rows_for_rewards
+
+    chat = [{"role": "user", "content": "Chat?"}]
+    rows = [prepare_row({"prompt": "<image>Colour?", "image": _img(), "answer": "red"}),
+            prepare_row({"prompt": "Text?", "image": None, "answer": "blue"})]  # fmt: skip
+    trl_completions = [[{"role": "assistant", "content": "x"}], [{"role": "assistant", "content": "y"}]]
+    inputs, prompts, completions = rows_for_rewards(
+        rows, [r["prompt"] for r in rows], trl_completions, [[1], [2]], lambda ids: [f"decoded{i[0]}" for i in ids]
+    )
+    assert prompts == ["<image>Colour?", "Text?"] and completions == ["decoded1", "decoded2"]
+    assert [sorted(r) for r in inputs] == [["answer", "image", "prompt"]] * 2 and inputs[1]["image"] is None
+    # Chat prompts keep TRL's conversational format (prompt and completion untouched).
+    chat_rows = [prepare_row({"prompt": chat, "images": [_img()]})]
+    _, prompts, completions = rows_for_rewards(chat_rows, [chat], trl_completions[:1], [[1]], lambda ids: 1 / 0)
+    assert prompts == [chat] and completions == trl_completions[:1]

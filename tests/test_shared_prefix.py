@@ -65,7 +65,7 @@ def _trainer(tiny_dir, tmp_path, family, lora=None, gc=False, attn=None, **confi
     args = VLMGRPOConfig(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=2, max_completion_length=6,
         report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
-        gradient_checkpointing_kwargs={"use_reentrant": gc == "reentrant"}, **config,
+        gradient_checkpointing=bool(gc), gradient_checkpointing_kwargs={"use_reentrant": gc == "reentrant"}, **config,
     )  # fmt: skip
     dataset = Dataset.from_list(_rows(family))
     return VLMGRPOTrainer(model, [_zero_reward], args=args, train_dataset=dataset, processing_class=processor)

@@ -1,3 +1,4 @@
+import importlib.util
 import io
 import math
 
@@ -301,7 +302,7 @@ def _nan_reward(prompts, completions, **kwargs):
 @pytest.mark.parametrize(
     "func, message",
     [(_raises_on_blue, r"'_raises_on_blue' raised ZeroDivisionError.*row \d+"),
-     (_wrong_length, r"'_wrong_length' returned 1 values for 8 completions"),
+     (_wrong_length, r"'_wrong_length' returned 1 value for 8 completions"),
      (_nan_reward, r"'_nan_reward' returned nan for row 0")],
     ids=["raises", "wrong_length", "nan"],
 )  # fmt: skip
@@ -362,3 +363,166 @@ def test_two_processes_with_accelerate_launch(tmp_path):
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["world_size"] == 2 and r["steps"] == 3 and r["finite"] and r["losses"] for r in records)
     assert records[0]["checksum"] == records[1]["checksum"]  # DDP kept the replicas identical
+
+
+# ----- issue 8: no silent failures -----
+
+
+def test_frozen_model_is_refused_naming_both_fixes(tiny_dir, tmp_path):
+    # from_pretrained without full_finetuning is frozen until get_peft_model: training it would change nothing.
+    model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl", words=COLORS))
+    dataset = make_visual_reasoning_dataset("color", 8, seed=0)
+    with pytest.raises(ValueError, match=r"(?s)no trainable parameters.*get_peft_model\(model.*full_finetuning=True"):
+        VLMGRPOTrainer(model, [choice], args=_config(tmp_path), train_dataset=dataset, processing_class=processor)
+
+
+@pytest.mark.trains
+def test_checkpointing_is_back_for_training_after_evaluation(tiny_dir, tmp_path):
+    from vlm_grpo.model import is_checkpointing
+
+    model, processor = _model(tiny_dir, peft=True)
+    dataset = make_visual_reasoning_dataset("color", 16, seed=0)
+    forwards = []  # (training?, checkpointing?) at every loss forward, training and evaluation
+
+    class Recorder(VLMGRPOTrainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            unwrapped = self.accelerator.unwrap_model(model)
+            forwards.append((unwrapped.training, is_checkpointing(unwrapped)))
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    config = _config(tmp_path, max_steps=3, eval_strategy="steps", eval_steps=1, eval_on_start=True,
+                     per_device_eval_batch_size=8)  # fmt: skip
+    assert config.gradient_checkpointing
+    trainer = Recorder(model, [_length], args=config, train_dataset=dataset, eval_dataset=dataset.select(range(2)),
+                       processing_class=processor)  # fmt: skip
+    trainer.train()
+    training = [checkpointing for is_training, checkpointing in forwards if is_training]
+    evaluating = [f for f in forwards if not f[0]]
+    assert len(training) == 3 and len(evaluating) >= 3  # evaluation ran (on start and between steps), in eval mode
+    assert all(training), forwards  # every training step after an evaluation checkpoints, as configured
+
+
+@pytest.mark.trains
+def test_string_prompts_reach_rewards_as_strings(tiny_dir, tmp_path):
+    # TRL's standard format: a reward written for strings must see strings, prompt and completion, as without images.
+    rows = [{"prompt": f"What colour is shape {i}?", "image": Image.new("RGB", (56, 56), (255, 0, 0)), "answer": "red"}
+            for i in range(4)]  # fmt: skip
+    seen = {"prompts": [], "completions": [], "keys": set()}
+
+    def string_reward(prompts, completions, **kwargs):
+        seen["prompts"] += prompts
+        seen["completions"] += completions
+        seen["keys"] |= set(kwargs)
+        return [float(len(c)) for c in completions]
+
+    model, processor = _model(tiny_dir, peft=True)
+    trainer = VLMGRPOTrainer(
+        model, [string_reward], args=_config(tmp_path, max_steps=1), train_dataset=Dataset.from_list(rows),
+        processing_class=processor,
+    )  # fmt: skip
+    trainer.train()
+    assert seen["completions"] and all(isinstance(c, str) for c in seen["completions"]), seen["completions"][:2]
+    assert set(seen["prompts"]) <= {r["prompt"] for r in rows}
+    # The dataset's own columns: `image` as given (not TRL's `images` list), nothing internal.
+    assert {"image", "answer"} <= seen["keys"] and "images" not in seen["keys"]
+    assert not any(k.startswith("_vlm_grpo") for k in seen["keys"])
+
+
+@pytest.mark.trains
+def test_string_prompt_image_placeholder_trains_with_the_image_in_place(tiny_dir, tmp_path):
+    # geometry3k / EasyR1 style: `problem` strings carry `<image>` where the image goes.
+    image = Image.new("RGB", (56, 56), (0, 0, 255))
+    rows = [{"prompt": "Look: <image>\nWhat colour is the shape?", "image": image, "answer": "blue"}] * 4
+    generated, rewarded = [], []
+
+    class Spy(VLMGRPOTrainer):
+        def _generate(self, prompts):
+            generated.extend(prompts)
+            return super()._generate(prompts)
+
+    def record(prompts, completions, **kwargs):
+        rewarded.extend(prompts)
+        return [0.0] * len(prompts)
+
+    model, processor = _model(tiny_dir, peft=True)
+    trainer = Spy(model, [choice, record], args=_config(tmp_path, max_steps=1), train_dataset=Dataset.from_list(rows),
+                  processing_class=processor)  # fmt: skip
+    trainer.train()
+    _finite_losses(trainer)
+    content = generated[0][0]["content"]
+    assert [p["type"] for p in content] == ["text", "image", "text"] and content[1]["image"].size == (56, 56)
+    assert content[0]["text"] == "Look: " and content[2]["text"] == "\nWhat colour is the shape?"
+    assert set(rewarded) == {rows[0]["prompt"]}
+
+
+@pytest.mark.trains
+def test_image_column_with_none_trains_through_an_all_text_batch(tiny_dir, tmp_path):
+    red = Image.new("RGB", (56, 56), (255, 0, 0))
+    # In order (no shuffling), 2 prompts per batch: the first batch is all text-only, the second all images.
+    rows = [{"prompt": "Say red.", "image": None, "answer": "red"}] * 2 + [
+        {"prompt": "What colour?", "image": red, "answer": "red"}] * 2  # fmt: skip
+    model, processor = _model(tiny_dir, peft=True)
+    trainer = VLMGRPOTrainer(
+        model, [choice], args=_config(tmp_path, max_steps=2, shuffle_dataset=False),
+        train_dataset=Dataset.from_list(rows), processing_class=processor,
+    )  # fmt: skip
+    trainer.train()
+    assert len(_finite_losses(trainer)) == 2
+
+
+# With bitsandbytes installed (Unsloth's environment) 4-bit may load on CPU; these tests check the refusal without it.
+_HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
+
+def _remote_code_checkpoint(tiny_dir, tmp_path):
+    """A tiny checkpoint whose config.json points at its own model class (`auto_map`), as Hub repos with code do."""
+    import json
+    import shutil
+
+    path = tmp_path / "remote-code"
+    shutil.copytree(tiny_dir("qwen2_5_vl", words=COLORS), path)
+    (path / "configuration_marked.py").write_text(
+        "from transformers import Qwen2_5_VLConfig\n\n\nclass MarkedConfig(Qwen2_5_VLConfig):\n    pass\n"
+    )
+    (path / "modeling_marked.py").write_text(
+        "from transformers import Qwen2_5_VLForConditionalGeneration\n\nfrom .configuration_marked import MarkedConfig"
+        "\n\n\nclass MarkedVLM(Qwen2_5_VLForConditionalGeneration):\n    config_class = MarkedConfig\n"
+    )
+    config = json.loads((path / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_marked.MarkedConfig",
+                          "AutoModelForImageTextToText": "modeling_marked.MarkedVLM"}  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def test_model_name_honours_trust_remote_code_and_dtype_auto(tiny_dir, tmp_path):
+    path = _remote_code_checkpoint(tiny_dir, tmp_path)
+    dataset = make_visual_reasoning_dataset("color", 8, seed=0)
+    config = _config(tmp_path, beta=0.0, trust_remote_code=True)
+    trusted = VLMGRPOTrainer(path, [choice], args=config, train_dataset=dataset)
+    assert type(trusted.model).__name__ == "MarkedVLM"  # the repository's own code, as TRL loads it
+    plain = VLMGRPOTrainer(path, [choice], args=_config(tmp_path, beta=0.0), train_dataset=dataset)
+    assert type(plain.model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    auto = VLMGRPOTrainer(path, [choice], args=_config(tmp_path, beta=0.0, model_init_kwargs={"dtype": "auto"}),
+                          train_dataset=dataset)  # fmt: skip
+    assert auto.model.dtype == torch.float32  # the checkpoint's dtype (this tiny one is saved in float32)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or _HAS_BNB, reason="checks the errors without a GPU and bitsandbytes")
+def test_quantization_config_reaches_the_policy_model(tiny_dir, tmp_path):
+    """Could not load 4-bit here (no GPU, no bitsandbytes): transformers' own bitsandbytes error proves it got there."""
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+
+    path = tiny_dir("qwen2_5_vl", words=COLORS)
+    dataset = make_visual_reasoning_dataset("color", 8, seed=0)
+    bnb, lora = BitsAndBytesConfig(load_in_4bit=True), LoraConfig(r=4, target_modules=["q_proj"])
+    refused = r"(?i)bitsandbytes|gpu|cuda"
+    with pytest.raises((ImportError, RuntimeError), match=refused):  # TRL's trainer argument
+        VLMGRPOTrainer(path, [choice], args=_config(tmp_path), train_dataset=dataset, peft_config=lora,
+                       quantization_config=bnb)  # fmt: skip
+    with pytest.raises((ImportError, RuntimeError), match=refused):  # in model_init_kwargs
+        VLMGRPOTrainer(path, [choice], args=_config(tmp_path, model_init_kwargs={"quantization_config": bnb}),
+                       train_dataset=dataset, peft_config=lora)  # fmt: skip
+    with pytest.raises(ValueError, match="full_finetuning needs 16/32-bit"):  # no adapter: full fine-tuning of 4-bit
+        VLMGRPOTrainer(path, [choice], args=_config(tmp_path, model_init_kwargs={"quantization_config": bnb}),
+                       train_dataset=dataset)  # fmt: skip

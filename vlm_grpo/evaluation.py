@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .model import FastBaseVisionModel
-from .rows import check_dataset, prepare_row, row_images
+from .rows import check_dataset, dataset_row, prepare_row, row_images
 
 __all__ = ["evaluate", "pass_at_k"]
 
@@ -77,7 +77,7 @@ def evaluate(
         for start in range(0, len(dataset), batch_size):
             rows = [prepare_row(dict(r), min_pixels, max_pixels) for r in dataset.select(range(start, min(start + batch_size, len(dataset))))]
             completions = _generate(model, processor, rows, num_generations, max_new_tokens, temperature, device)
-            expanded = [row for row in rows for _ in range(num_generations)]
+            expanded = [dataset_row(row) for row in rows for _ in range(num_generations)]
             columns = {k: [row.get(k) for row in expanded] for k in expanded[0] if k not in ("prompt", "image", "images")}
             prompts = [row["prompt"] for row in expanded]
             first: list[float | None] = []

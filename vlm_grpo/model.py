@@ -87,6 +87,18 @@ def _default_dtype() -> torch.dtype:
     return torch.float32
 
 
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str:
+    """A torch dtype from a dtype or its name; "auto" (the checkpoint's own dtype) is left to transformers."""
+    if dtype is None:
+        return _default_dtype()
+    if dtype == "auto" or isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if isinstance(resolved, torch.dtype):
+        return resolved
+    raise ValueError(f"dtype must be a torch dtype, its name (e.g. 'bfloat16') or 'auto', got {dtype!r}.")
+
+
 def _check_quantization(load_in_4bit: bool, load_in_8bit: bool) -> None:
     if not (load_in_4bit or load_in_8bit):
         return
@@ -182,7 +194,8 @@ class FastBaseVisionModel:
         Args:
             model_name: a Hub id (`Qwen/Qwen2.5-VL-3B-Instruct`) or a local checkpoint directory.
             max_seq_length: longest prompt + completion you plan to train on (kept on the model).
-            dtype: None picks bf16 on a GPU that supports it, else fp16 on GPU, else fp32 on CPU.
+            dtype: None picks bf16 on a GPU that supports it, else fp16 on GPU, else fp32 on CPU; "auto" keeps the
+                checkpoint's own dtype (transformers' meaning).
             load_in_4bit / load_in_8bit: bitsandbytes quantisation of the language model (NF4 with double
                 quantisation for 4-bit). The vision tower, projector and lm_head stay in `dtype`.
             full_finetuning: train every weight (no LoRA); gradient checkpointing is set up here then.
@@ -206,9 +219,14 @@ class FastBaseVisionModel:
                 f"{model_name!r} has no config.json, so it is not a transformers checkpoint. Point at the directory "
                 "that `save_pretrained` wrote (it holds config.json and the weights)."
             )
+        if kwargs.get("quantization_config") is not None and (load_in_4bit or load_in_8bit):
+            raise ValueError("Pass either quantization_config or load_in_4bit / load_in_8bit, not both.")
         _check_quantization(load_in_4bit, load_in_8bit)
-        if full_finetuning and (load_in_4bit or load_in_8bit):
-            raise ValueError("full_finetuning needs 16/32-bit weights: drop load_in_4bit / load_in_8bit, or use LoRA.")
+        if full_finetuning and (load_in_4bit or load_in_8bit or kwargs.get("quantization_config") is not None):
+            raise ValueError(
+                "full_finetuning needs 16/32-bit weights: drop load_in_4bit / load_in_8bit / quantization_config, or "
+                "use LoRA (FastVisionModel.get_peft_model, or a `peft_config` for VLMGRPOTrainer)."
+            )
         _gc_kwargs(use_gradient_checkpointing)  # validate early
         hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
 
@@ -219,9 +237,7 @@ class FastBaseVisionModel:
                 "model. Pass a VLM checkpoint (Qwen2/2.5/3-VL, Gemma 3, SmolVLM/Idefics3, ...); for text-only "
                 "models use trl.GRPOTrainer directly."
             )
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
-        dtype = dtype or _default_dtype()
+        dtype = _resolve_dtype(dtype)
         load_kwargs: dict[str, Any] = dict(dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
         if attn_implementation is not None:
             load_kwargs["attn_implementation"] = attn_implementation
@@ -231,7 +247,8 @@ class FastBaseVisionModel:
         if device_map is not None:
             load_kwargs["device_map"] = device_map
         if load_in_4bit or load_in_8bit:
-            load_kwargs["quantization_config"] = _bnb_config(config, load_in_4bit, dtype)
+            compute_dtype = _default_dtype() if dtype == "auto" else dtype
+            load_kwargs["quantization_config"] = _bnb_config(config, load_in_4bit, compute_dtype)
 
         model = AutoModelForImageTextToText.from_pretrained(model_name, **load_kwargs)
         processor = load_processor(model_name, config.model_type, trust_remote_code=trust_remote_code, **hub_kwargs)
@@ -244,7 +261,8 @@ class FastBaseVisionModel:
             model.requires_grad_(True)
             FastBaseVisionModel.for_training(model, use_gradient_checkpointing)
         else:
-            # Like Unsloth: frozen until get_peft_model, so a forgotten adapter fails loudly instead of full-tuning.
+            # Like Unsloth: frozen until get_peft_model, so a forgotten adapter never full-tunes by accident
+            # (VLMGRPOTrainer refuses a model with nothing trainable, naming both fixes).
             model.requires_grad_(False)
             model.eval()
         return model, processor

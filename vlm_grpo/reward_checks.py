@@ -23,6 +23,10 @@ def _excerpt(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _name(func: Callable) -> str:
     return getattr(func, "__name__", None) or type(func).__name__
 
@@ -69,10 +73,11 @@ def checked_reward_func(func: Callable) -> Callable:
                 "return None for rows it cannot score."
             ) from error
         if values is None or not hasattr(values, "__len__") or len(values) != len(completions):
-            got = "None" if values is None else f"{len(values)} values" if hasattr(values, "__len__") else type(values).__name__
+            sized = hasattr(values, "__len__")
+            got = "None" if values is None else _count(len(values), "value") if sized else type(values).__name__
             raise RewardFunctionError(
-                f"Reward function {name!r} returned {got} for {len(completions)} completions; it must return one "
-                "float (or None) per completion, in order."
+                f"Reward function {name!r} returned {got} for {_count(len(completions), 'completion')}; it must return "
+                "one float (or None) per completion, in order."
             )
         for row, value in enumerate(values):
             if value is None:

@@ -1,27 +1,51 @@
 """Dataset rows -> what TRL's GRPO loop expects, with bad input caught before training starts.
 
 `check_dataset` runs once, at trainer construction: structural problems (no rows, no image column
-for prompts that have image placeholders, a placeholder count that differs from the row's images,
-both `image` and `images` columns) raise a `ValueError` naming the row and the fix; unreadable or
-truncated images drop their row, logged and counted, so a long run never dies on row 93 412.
+for prompts that have image placeholders, images under another column name, a placeholder count
+that differs from the row's images, both `image` and `images` columns) raise a `ValueError` naming
+the row and the fix; unreadable or truncated images drop their row, logged and counted, so a long
+run never dies on row 93 412.
 
-`prepare_row` runs per batch: images normalised (RGB, EXIF, alpha on white, 16-bit...) and fitted
-to the pixel budget, a plain-string prompt with images wrapped into a user message.
+`prepare_row` runs per batch: images normalised (RGB, EXIF, alpha on white, 16-bit...), fitted to
+the pixel budget and always given as an `images` list; a plain-string prompt becomes a user message
+with the images at its `<image>` placeholders. `rows_for_rewards` undoes the last two for the reward
+functions, so they receive the dataset's own format.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from PIL import Image
+
 from .images import ImageError, load_image, prepare_images
 
-__all__ = ["SkippedRows", "check_dataset", "count_image_placeholders", "prepare_row", "row_images"]
+__all__ = [
+    "IMAGE_PLACEHOLDER",
+    "SkippedRows",
+    "check_dataset",
+    "count_image_placeholders",
+    "dataset_row",
+    "prepare_row",
+    "row_images",
+    "rows_for_rewards",
+]
 
 logger = logging.getLogger(__name__)
 
 IMAGE_COLUMNS = ("image", "images")
+# Where a string prompt puts an image (LLaVA, EasyR1 / ms-swift datasets such as geometry3k's `problem`).
+IMAGE_PLACEHOLDER = "<image>"
+# Column names that mean images, for the "rename it" error (columns holding images are found by their values too).
+_IMAGE_LIKE_NAMES = (
+    "img", "imgs", "picture", "pictures", "photo", "photos", "pixel_values", "image_path", "image_paths", "image_file",
+    "image_files", "image_bytes",
+)  # fmt: skip
+# prepare_row keeps the row's own prompt and image column name here, for `rows_for_rewards`.
+_SOURCE = "_vlm_grpo_source"
 
 
 @dataclass
@@ -62,7 +86,8 @@ def row_images(row: dict[str, Any]) -> list[Any]:
 
 
 # Markers that show a chat template was already applied to a string prompt; images cannot be placed then.
-_TEMPLATE_MARKERS = ("<|im_start|>", "<start_of_turn>", "<|start_header_id|>", "<image>", "<|image_pad|>", "[INST]")
+# (`<image>` is not one: it is the dataset's own placeholder, see IMAGE_PLACEHOLDER.)
+_TEMPLATE_MARKERS = ("<|im_start|>", "<start_of_turn>", "<|start_header_id|>", "<|image_pad|>", "[INST]")
 
 
 def _check_prompt(prompt: Any, n_images: int, index: int, name: str) -> None:
@@ -72,6 +97,12 @@ def _check_prompt(prompt: Any, n_images: int, index: int, name: str) -> None:
                 f"{name} row {index}: the prompt is a string with a chat template already applied, and the row has "
                 f"{n_images} image(s). Images need chat-message prompts: pass the raw messages, e.g. "
                 "[{'role': 'user', 'content': 'What colour is the shape?'}], and let the trainer apply the template."
+            )
+        placeholders = prompt.count(IMAGE_PLACEHOLDER)
+        if placeholders and placeholders != n_images:
+            raise ValueError(
+                f"{name} row {index}: the prompt has {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) but the row has "
+                f"{n_images} image(s). Make them match, or drop the placeholders to put the images before the text."
             )
         return
     if not _is_chat(prompt):
@@ -88,6 +119,43 @@ def _check_prompt(prompt: Any, n_images: int, index: int, name: str) -> None:
             f"row has {n_images} image(s). Make them match, or give the messages plain-string contents and the "
             "images are put before the first user message."
         )
+
+
+def _string_placeholders(prompt: Any) -> int:
+    return prompt.count(IMAGE_PLACEHOLDER) if isinstance(prompt, str) else 0
+
+
+def _holds_images(value: Any) -> bool:
+    """Whether a cell holds an image, or a list starting with one (PIL, or a datasets `{"bytes", "path"}` dict)."""
+    if isinstance(value, (list, tuple)) and value:
+        value = value[0]
+    return isinstance(value, Image.Image) or isinstance(value, dict) and {"bytes", "path"} <= set(value)
+
+
+def _is_image_feature(feature: Any) -> bool:
+    from datasets import Image as ImageFeature
+
+    inner = getattr(feature, "feature", None) or (feature[0] if isinstance(feature, list) and feature else None)
+    return isinstance(feature, ImageFeature) or isinstance(inner, ImageFeature)
+
+
+def _refuse_misnamed_image_column(dataset: Any, columns: list[str], name: str) -> None:
+    """Raise when images sit under another column name: the trainer would silently train text-only."""
+    features = getattr(dataset, "features", None) or {}
+    first = dataset[0] if hasattr(dataset, "__len__") and len(dataset) and hasattr(dataset, "__getitem__") else {}
+    for column in columns:
+        if column == "prompt":
+            continue
+        feature, value = features.get(column), first.get(column) if isinstance(first, dict) else None
+        if column.lower() in _IMAGE_LIKE_NAMES or _is_image_feature(feature) or _holds_images(value):
+            list_of_images = isinstance(value, (list, tuple)) and _holds_images(value)
+            list_feature = _is_image_feature(feature) and (isinstance(feature, list) or hasattr(feature, "feature"))
+            target = "images" if list_of_images or list_feature else "image"
+            raise ValueError(
+                f"{name} has no `image` or `images` column, but column `{column}` looks like it holds images, so the "
+                f"model would train without them. Rename it: `dataset = dataset.rename_column({column!r}, {target!r})` "
+                "(`image` for one image per row, `images` for a list)."
+            )
 
 
 def check_dataset(
@@ -109,12 +177,14 @@ def check_dataset(
         raise ValueError(f"{name} has no `prompt` column (columns: {columns}). Rename your question column to `prompt`.")
     if "image" in columns and "images" in columns:
         raise ValueError(f"{name} has both `image` and `images` columns; keep one (`images` for several per row).")
+    image_column = next((c for c in IMAGE_COLUMNS if c in columns), None)
+    if image_column is None:
+        _refuse_misnamed_image_column(dataset, columns, name)
     if not hasattr(dataset, "__len__"):
         return dataset, SkippedRows()
     if len(dataset) == 0:
         raise ValueError(f"{name} is empty: GRPO needs at least one prompt.")
 
-    image_column = next((c for c in IMAGE_COLUMNS if c in columns), None)
     raw = dataset
     if image_column is not None:
         # Read images undecoded ({"bytes", "path"}), so a corrupt file is our error to report, not a crash in datasets.
@@ -133,7 +203,7 @@ def check_dataset(
     read_columns = ["prompt"] + ([image_column] if image_column else [])
     for index, row in enumerate(raw.select_columns(read_columns)):
         images = row_images(row)
-        if image_column is None and count_image_placeholders(row["prompt"]):
+        if image_column is None and (count_image_placeholders(row["prompt"]) or _string_placeholders(row["prompt"])):
             raise ValueError(
                 f"{name} row {index}: the prompt has image placeholders but the dataset has no `image` or `images` "
                 f"column (columns: {columns}). Add the images as an `image` (one) or `images` (list) column."
@@ -165,14 +235,72 @@ def check_dataset(
 
 
 def prepare_row(row: dict[str, Any], min_pixels: int | None = None, max_pixels: int | None = None) -> dict[str, Any]:
-    """A copy of a dataset row ready for TRL: images loaded, normalised and fitted; string prompts with images chat."""
-    row = dict(row)
-    for column in IMAGE_COLUMNS:
-        if column in row and row[column] is not None:
-            images = prepare_images(row[column], min_pixels=min_pixels, max_pixels=max_pixels)
-            row[column] = images if column == "images" else images[0]
-    if isinstance(row.get("prompt"), str) and any(column in row for column in IMAGE_COLUMNS):
-        # TRL only places images into chat prompts; a plain question becomes the user turn. Done for every row of a
-        # dataset with an image column (text-only rows too) so a batch never mixes strings and chats.
-        row["prompt"] = [{"role": "user", "content": row["prompt"]}]
+    """A copy of a dataset row ready for TRL's multimodal path.
+
+    Rows of a dataset with an `image` or `images` column get their images loaded, normalised, fitted to the pixel
+    budget and put under `images` as a list (`[]` for a text-only row: TRL turns a missing single image into None,
+    which breaks the processor). A string prompt becomes a user message (TRL places images only in chat prompts)
+    with the images at its `<image>` placeholders, or before the text when it has none. The row's own prompt and
+    image column are kept for `rows_for_rewards`. Rows without an image column are returned unchanged.
+    """
+    column = next((c for c in IMAGE_COLUMNS if c in row), None)
+    if column is None:
+        return dict(row)
+    value = row[column]
+    if column == "image":
+        value = None if value is None else [value]
+    row = {k: v for k, v in row.items() if k not in IMAGE_COLUMNS}
+    row["images"] = prepare_images(value, min_pixels=min_pixels, max_pixels=max_pixels)
+    row[_SOURCE] = {"prompt": row.get("prompt"), "image_column": column}
+    if isinstance(row.get("prompt"), str):
+        # Done for every row of a dataset with an image column (text-only rows too) so a batch never mixes strings
+        # and chats.
+        row["prompt"] = [{"role": "user", "content": _place_images(row["prompt"])}]
+    return row
+
+
+def _place_images(prompt: str) -> str | list[dict[str, str]]:
+    """A string prompt as user content: image blocks at its `<image>` placeholders (EasyR1's split), or the string."""
+    if IMAGE_PLACEHOLDER not in prompt:
+        return prompt  # TRL puts the row's images before the text
+    content: list[dict[str, str]] = []
+    for i, text in enumerate(prompt.split(IMAGE_PLACEHOLDER)):
+        if i:
+            content.append({"type": "image"})
+        if text:
+            content.append({"type": "text", "text": text})
+    return content
+
+
+def rows_for_rewards(
+    inputs: list[dict[str, Any]],
+    prompts: list[Any],
+    completions: list[Any],
+    completion_ids: list[list[int]],
+    decode: Callable[[list[list[int]]], list[str]],
+) -> tuple[list[dict[str, Any]], list[Any], list[Any]]:
+    """`(inputs, prompts, completions)` as the reward functions would get them from the dataset as it was given.
+
+    Undoes `prepare_row` for rewards: a row whose prompt was a string gets it back, and its completion as the
+    decoded string (TRL's standard format, not `[{"role": "assistant", ...}]`); a row with an `image` column gets
+    its `image` back instead of the `images` list. `decode` is the processor's `batch_decode` of token ids, as TRL
+    decodes standard-format completions.
+    """
+    was_string = [isinstance(row.get(_SOURCE, {}).get("prompt"), str) for row in inputs]
+    texts = iter(decode([ids for ids, s in zip(completion_ids, was_string) if s]) if any(was_string) else [])
+    prompts = [row[_SOURCE]["prompt"] if s else p for row, p, s in zip(inputs, prompts, was_string)]
+    completions = [next(texts) if s else c for c, s in zip(completions, was_string)]
+    return [dataset_row(row) for row in inputs], prompts, completions
+
+
+def dataset_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A `prepare_row` result with the dataset's own prompt and image column back (and nothing internal)."""
+    source = row.get(_SOURCE)
+    if source is None:
+        return row
+    row = {k: v for k, v in row.items() if k != _SOURCE}
+    row["prompt"] = source["prompt"]
+    if source["image_column"] == "image":
+        images = row.pop("images")
+        row["image"] = images[0] if images else None
     return row

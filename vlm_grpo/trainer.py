@@ -1,14 +1,20 @@
 """`VLMGRPOTrainer`: TRL's `GRPOTrainer` for vision-language models.
 
 TRL already runs multimodal rollouts; this subclass adds what a VLM user needs around them and
-overrides only four hooks:
+overrides only these hooks:
 - `__init__`: takes `(model, processor)` from `FastBaseVisionModel` (or a model id), validates the
-  datasets (bad rows raise or are skipped before training), checks reward functions on every call,
-  and registers the requires-grad hooks so checkpointed vision LoRA trains.
-- `_generate_and_score_completions`: images loaded from any format, normalised and fitted to the pixel
-  budget; plain-string prompts with images turned into chat messages.
-- `_generate_single_turn`: the model switched to inference mode for generation and back after.
+  datasets (bad rows raise or are skipped before training), refuses a model with nothing to train,
+  checks reward functions on every call, and registers the requires-grad hooks so checkpointed vision
+  LoRA trains.
+- `_generate_and_score_completions`: images loaded from any format, normalised, fitted to the pixel
+  budget and given as `images` lists; plain-string prompts with images turned into chat messages.
 - `_generate`: text-only rows in a batch with images get `[]` images (TRL's None breaks the processor).
+- `_calculate_rewards`: rows whose prompt was a string reach the rewards as strings again.
+- `_generate_single_turn`: the model switched to inference mode for generation and back after; completions
+  from `vlm_grpo.fast_generation` (one prefill per prompt group, compiled decode) unless TRL's vLLM path or a
+  setting it cannot serve is in use (then TRL's `model.generate`, with a one-time log line naming why).
+- `_get_per_token_logps_and_entropies`: each group's prompt and images computed once (`vlm_grpo.shared_prefix`),
+  same log-probs and gradients; TRL's per-row forward for what it cannot serve (a one-time log line naming why).
 Everything else (losses, GSPO, vLLM, logging, checkpointing) is TRL's own.
 """
 
@@ -20,13 +26,15 @@ from typing import Any
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
+from trl.models.utils import unwrap_model_for_generation
 
 from .hooks import enable_requires_grad_hooks
 from .integrations.unsloth import maybe_patch_for_model
+from .fast_generation import FastGenerator, FastPathUnavailable
 from .model import FastBaseVisionModel, is_checkpointing
 from .processor import load_processor
 from .reward_checks import checked_reward_func
-from .rows import check_dataset, prepare_row
+from .rows import check_dataset, prepare_row, rows_for_rewards
 from .shared_prefix import SharedPrefixUnsupported, shared_prefix_logps
 
 __all__ = ["VLMGRPOConfig", "VLMGRPOTrainer"]
@@ -75,6 +83,21 @@ class VLMGRPOConfig(GRPOConfig):
         metadata={"help": "Drop rows whose images cannot be read (logged and counted in `trainer.skipped_rows`). "
                   "False: raise instead."},
     )  # fmt: skip
+    fast_generation: bool = field(
+        default=True,
+        metadata={"help": "Generate with vlm_grpo.fast_generation: one prefill per prompt group, a static KV cache and "
+                  "a compiled decode step (same tokens as the plain path). False: TRL's `model.generate` path. "
+                  "Ignored with use_vllm."},
+    )  # fmt: skip
+    fast_generation_compile: bool | None = field(
+        default=None,
+        metadata={"help": "Compile the decode step into a CUDA graph (paid once per run). None: on CUDA, off on CPU."},
+    )
+    fast_generation_merge_lora: bool = field(
+        default=True,
+        metadata={"help": "Merge LoRA into the 16-bit base weights while generating (restored bit-exactly after; costs "
+                  "one copy of the adapted weights in memory). 4-bit bases always generate unmerged."},
+    )  # fmt: skip
     shared_prefix: bool = field(
         default=True,
         metadata={"help": "Compute each group's prompt and images once when scoring and training (the G completions "
@@ -110,6 +133,30 @@ def _is_fresh_lora(model: Any) -> bool:
         return False
     b_weights = [p for n, p in model.named_parameters() if ".lora_B." in n or ".lora_embedding_B." in n]
     return bool(b_weights) and all(not p.detach().any() for p in b_weights)
+
+
+def _model_init_kwargs(args: GRPOConfig, quantization_config: Any = None) -> dict[str, Any]:
+    """`from_pretrained` kwargs for a model given by name, as TRL builds them: `model_init_kwargs`, the trainer's
+    `quantization_config` argument and `args.trust_remote_code`."""
+    init_kwargs = dict(args.model_init_kwargs or {})
+    if quantization_config is not None:
+        if "quantization_config" in init_kwargs:
+            raise ValueError(
+                "quantization_config is set both as a trainer argument and in `args.model_init_kwargs`; set it once."
+            )
+        init_kwargs["quantization_config"] = quantization_config
+    init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    return init_kwargs
+
+
+def _refuse_frozen_model(model: Any) -> None:
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            "The model has no trainable parameters, so training would run with grad_norm 0 and change nothing. "
+            "FastVisionModel.from_pretrained returns a frozen model until you choose what to train: add LoRA "
+            "adapters with `model = FastVisionModel.get_peft_model(model, r=16, ...)`, or load it with "
+            "`FastVisionModel.from_pretrained(..., full_finetuning=True)` to train all weights."
+        )
 
 
 class VLMGRPOTrainer(GRPOTrainer):
@@ -149,7 +196,7 @@ class VLMGRPOTrainer(GRPOTrainer):
                 use_gradient_checkpointing=args.gradient_checkpointing,
                 min_pixels=min_pixels,
                 max_pixels=max_pixels,
-                **(args.model_init_kwargs or {}),
+                **_model_init_kwargs(args, kwargs.pop("quantization_config", None)),
             )
             processing_class = processing_class or loaded_processor
         if processing_class is None:
@@ -178,6 +225,8 @@ class VLMGRPOTrainer(GRPOTrainer):
                 eval_dataset, "eval_dataset", check_images=check_images, skip_bad_rows=skip_bad_rows
             )
 
+        if kwargs.get("peft_config") is None:  # else TRL adds the trainable adapters
+            _refuse_frozen_model(model)
         if reward_funcs is not None:
             reward_funcs = [checked_reward_func(f) for f in (reward_funcs if isinstance(reward_funcs, list) else [reward_funcs])]
 
@@ -195,12 +244,19 @@ class VLMGRPOTrainer(GRPOTrainer):
             **kwargs,
         )
         unwrapped = self.accelerator.unwrap_model(self.model)
+        # What training runs with when TRL's args leave checkpointing off: the model's own setting (FastVisionModel's).
+        self._model_checkpointing = getattr(unwrapped, "_vlm_grpo_gc", True) if is_checkpointing(unwrapped) else False
         if fresh_adapter and "ref" in getattr(unwrapped, "peft_config", {}):
             unwrapped.delete_adapter("ref")
             unwrapped.set_adapter("default")
         if is_checkpointing(unwrapped):
             enable_requires_grad_hooks(unwrapped)
         maybe_patch_for_model(unwrapped)  # no-op unless the model came from Unsloth
+        self.fast_generator = FastGenerator(
+            compile=getattr(args, "fast_generation_compile", None),
+            merge_lora=getattr(args, "fast_generation_merge_lora", True),
+        )
+        self._fast_generation_fallbacks: set[str] = set()
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`, after checking this TRL can compute GRPO log-probs on this device."""
@@ -212,26 +268,80 @@ class VLMGRPOTrainer(GRPOTrainer):
         return super()._generate_and_score_completions(inputs)
 
     def _generate(self, prompts: list):
-        outputs = super()._generate(prompts)
-        images = outputs[6]
-        # TRL marks a text-only row's images as None; in a batch that also has images the processor then fails on
-        # the None. An empty list is what processors expect for "no image in this row".
-        if images is not None and any(i is None for i in images) and any(i for i in images):
-            outputs = (*outputs[:6], [i if i is not None else [] for i in images], *outputs[7:])
-        return outputs
+        # TRL marks a text-only row's images None even in a batch whose other rows have images (vLLM wants that), and
+        # the processor then fails on the None. An empty list is what processors expect for "no image in this row".
+        # Unpacked by name, so a change in TRL's return fails here rather than patching the wrong element.
+        prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images = (
+            super()._generate(prompts)
+        )
+        if images is not None and any(images):
+            images = [[] if i is None else i for i in images]
+        return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        def decode(ids: list[list[int]]) -> list[str]:
+            return self.processing_class.batch_decode(ids, skip_special_tokens=True)
+
+        inputs, prompts, completions = rows_for_rewards(inputs, prompts, completions, completion_ids_list, decode)
+        return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
 
     def _generate_single_turn(self, *args: Any, **kwargs: Any):
         model = self.accelerator.unwrap_model(self.model)
         was_training = model.training
-        checkpointing = is_checkpointing(model)
         FastBaseVisionModel.for_inference(model)
         try:
-            return super()._generate_single_turn(*args, **kwargs)
+            return self._fast_generate(*args, **kwargs) or super()._generate_single_turn(*args, **kwargs)
         finally:
-            if was_training:
-                reentrant = (self.args.gradient_checkpointing_kwargs or {}).get("use_reentrant", False)
-                mode = ("reentrant" if reentrant else True) if checkpointing else False
-                FastBaseVisionModel.for_training(model, use_gradient_checkpointing=mode)
+            self._restore_training_mode(model, was_training)
+
+    def _restore_training_mode(self, model: Any, was_training: bool) -> None:
+        """Undo `for_inference` after a generation: checkpointing (and the KV cache off) as configured, always.
+
+        The configured state, not the state before generating, is the truth: an evaluation's rollout starts with
+        checkpointing already off (the previous one turned it off), so "as it was" would lose it for the rest of the
+        run. An evaluating model stays in eval mode (transformers checkpoints only in train mode, and Trainer's
+        `training_step` calls `model.train()` before the next training forward).
+        """
+        FastBaseVisionModel.for_training(model, use_gradient_checkpointing=self._training_checkpointing())
+        if not was_training:
+            model.eval()
+
+    def _training_checkpointing(self) -> bool | str:
+        """The checkpointing mode training runs with: TRL's `gradient_checkpointing` args, else the model's own."""
+        if not self.args.gradient_checkpointing:
+            return self._model_checkpointing
+        return "reentrant" if (self.args.gradient_checkpointing_kwargs or {}).get("use_reentrant") else True
+
+    def _fast_generation_blocker(self, has_tool_images: bool) -> str | None:
+        """Why this trainer generates on TRL's plain path (None: the fast path can serve it)."""
+        if self.use_vllm or getattr(self, "use_transformers_continuous_batching", False):
+            return "generation runs in vLLM / transformers continuous batching"
+        if getattr(self, "tools", None) or has_tool_images or getattr(self, "environment_factories", None) is not None:
+            return "tool-calling rollouts re-enter generation with tool results"
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return "sharded (DeepSpeed / FSDP) models generate on TRL's path, which gathers their weights"
+        return self.fast_generator.unsupported_reason(self.accelerator.unwrap_model(self.model))
+
+    def _fast_generate(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """Completions from `vlm_grpo.fast_generation`, or None when the plain path must serve this call."""
+        if not getattr(self.args, "fast_generation", False):
+            return None
+        reason = self._fast_generation_blocker(has_tool_images)
+        if reason is None:
+            with unwrap_model_for_generation(
+                self.model_wrapped, self.accelerator, generation_kwargs=self.generation_kwargs
+            ) as model:
+                try:
+                    completion_ids = self.fast_generator.generate(
+                        model, prompt_ids, images, multimodal_fields, self.generation_config, self._tokenizer.pad_token_id
+                    )
+                    return completion_ids, None
+                except FastPathUnavailable as error:
+                    reason = str(error)
+        if reason not in self._fast_generation_fallbacks:  # say it once per reason, not every step
+            self._fast_generation_fallbacks.add(reason)
+            logger.warning("Fast generation is off for this batch (%s); using TRL's model.generate.", reason)
+        return None
 
     shared_prefix_calls: int = 0  # log-prob computations served by the shared-prefix path
 

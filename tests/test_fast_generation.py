@@ -1,0 +1,181 @@
+"""The fast generation path gives what TRL's plain `model.generate` path gives, on every tiny family.
+
+Each test drives a real `VLMGRPOTrainer`: TRL's own `_tokenize_prompts` turns rows into token ids and
+processor outputs, TRL's `_generate_single_turn` is the plain path, `trainer.fast_generator` the fast one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from PIL import Image
+from trl.data_utils import prepare_multimodal_messages
+from trl.trainer.grpo_trainer import GRPOTrainer
+
+from vlm_grpo.fast_generation import group_prompts, merged_lora
+from vlm_grpo.model import FastVisionModel
+from vlm_grpo.rows import prepare_row
+from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "idefics3"]
+
+
+def _image(seed: int, size: int = 32) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8))
+
+
+def _user(*parts):
+    return [{"role": "user", "content": list(parts)}]
+
+
+IMAGE, TEXT = {"type": "image"}, lambda text: {"type": "text", "text": text}
+# One prompt with one image, one with none, one with two images of different sizes.
+ROWS = [
+    {"prompt": _user(IMAGE, TEXT("what colour is it?")), "images": [_image(0)]},
+    {"prompt": _user(TEXT("no image in this one")), "images": []},
+    {"prompt": _user(IMAGE, IMAGE, TEXT("which is brighter?")), "images": [_image(1), _image(2, 48)]},
+]
+
+
+def _zero_reward(prompts, completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def _trainer(tiny_dir, tmp_path, family="qwen2_5_vl", generations=3, lora_b=0.0, **generation_kwargs):
+    model, processor = FastVisionModel.from_pretrained(tiny_dir(family))
+    model = FastVisionModel.get_peft_model(model, r=4)
+    if lora_b:  # a trained-looking adapter, so merging it changes the weights
+        torch.manual_seed(0)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.data.normal_(0, lora_b)
+    args = VLMGRPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=len(ROWS) * generations,
+        num_generations=generations, max_completion_length=8, report_to="none", use_cpu=True, max_steps=1,
+        generation_kwargs={"do_sample": False, "min_new_tokens": 6, **generation_kwargs},
+    )  # fmt: skip
+    dataset = Dataset.from_list(ROWS)  # distinct prompts, so every batch has exactly three groups
+    return VLMGRPOTrainer(model, [_zero_reward], args=args, train_dataset=dataset, processing_class=processor)
+
+
+def _batch(trainer, rows, generations):
+    """What TRL hands `_generate_single_turn` for `rows`, each repeated `generations` times."""
+    prepared = [prepare_row(row) for row in rows for _ in range(generations)]
+    prompts = [prepare_multimodal_messages(r["prompt"], images=r["images"]) for r in prepared]
+    return trainer._tokenize_prompts(prompts)
+
+
+def _plain(trainer, batch, generations):
+    FastVisionModel.for_inference(trainer.model)
+    return GRPOTrainer._generate_single_turn(trainer, *batch, generations)[0]
+
+
+def _fast(trainer, batch):
+    FastVisionModel.for_inference(trainer.model)
+    pad = trainer._tokenizer.pad_token_id
+    return trainer.fast_generator.generate(trainer.model, *batch, trainer.generation_config, pad)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_match_the_plain_path(tiny_dir, tmp_path, family):
+    trainer = _trainer(tiny_dir, tmp_path, family)
+    batch = _batch(trainer, ROWS, 3)
+    plain, fast = _plain(trainer, batch, 3), _fast(trainer, batch)
+    assert fast == plain
+    assert min(len(c) for c in fast) >= 6  # min_new_tokens honoured: real decoding happened
+    # One prefill per distinct prompt: 3 prompts x 3 completions -> 3 prefilled rows.
+    assert trainer.fast_generator.stats["prefill_rows"] == 3 and trainer.fast_generator.stats["rows"] == 9
+
+
+@pytest.mark.parametrize("generations", [1, 16])
+def test_group_sizes_one_and_sixteen(tiny_dir, tmp_path, generations):
+    # Training needs two generations per prompt (TRL); groups of one are what evaluation generates.
+    trainer = _trainer(tiny_dir, tmp_path, generations=max(generations, 2))
+    batch = _batch(trainer, ROWS[:1] + ROWS[2:], generations)
+    assert _fast(trainer, batch) == _plain(trainer, batch, generations)
+    assert trainer.fast_generator.stats["prefill_rows"] == 2
+
+
+def test_sampling_with_a_seed_gives_the_plain_paths_tokens(tiny_dir, tmp_path):
+    settings = dict(do_sample=True, temperature=0.9, top_p=0.9, top_k=20, min_p=0.01, repetition_penalty=1.2)
+    trainer = _trainer(tiny_dir, tmp_path, **settings)
+    batch = _batch(trainer, ROWS, 4)
+    torch.manual_seed(7)
+    plain = _plain(trainer, batch, 4)
+    torch.manual_seed(7)
+    fast = _fast(trainer, batch)
+    assert fast == plain
+    assert len({tuple(c) for c in fast[:4]}) > 1  # really sampled: one prompt's completions differ
+
+
+def test_merged_lora_generates_like_the_adapter_and_restores_weights_bit_exactly(tiny_dir, tmp_path):
+    trainer = _trainer(tiny_dir, tmp_path, lora_b=0.5)
+    model = trainer.model
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "base_layer" in n}
+    batch = _batch(trainer, ROWS, 2)
+    plain = _plain(trainer, batch, 2)  # unmerged adapter, TRL's path
+    base_only = None
+    with model.disable_adapter():
+        base_only = _plain(trainer, batch, 2)
+    assert plain != base_only  # the adapter changes the completions, so merging is visible
+    assert trainer.fast_generator.merge_lora
+    assert _fast(trainer, batch) == plain
+    after = dict(model.named_parameters())
+    assert all(torch.equal(after[n], w) for n, w in before.items())
+    with merged_lora(model) as merged:  # inside the block the merged weights differ from the originals
+        assert merged and any(not torch.equal(after[n], w) for n, w in before.items())
+    assert all(torch.equal(after[n], w) for n, w in before.items())
+
+
+def test_training_uses_the_fast_path_and_the_switch_turns_it_off(tiny_dir, tmp_path):
+    trainer = _trainer(tiny_dir, tmp_path)
+    trainer.args.max_steps = 2
+    trainer.train()
+    stats = trainer.fast_generator.stats
+    assert stats["calls"] == 2 and stats["rows"] == 18 and stats["prefill_rows"] == 6
+    plain = _trainer(tiny_dir, tmp_path)
+    plain.args.fast_generation = False
+    plain.train()
+    assert plain.fast_generator.stats["calls"] == 0
+
+
+@pytest.mark.parametrize(
+    "family, settings, reason",
+    [
+        # Tiny Gemma 3 has a 64-token sliding window; a long completion budget would roll the copied prefill.
+        ("gemma3", {"max_new_tokens": 60, "min_new_tokens": 1}, "sliding window"),
+        ("qwen2_5_vl", {"num_beams": 2}, "num_beams"),  # beam search is generate's, not the fast loop's
+    ],
+)
+def test_a_batch_the_fast_path_cannot_serve_falls_back_once_with_the_reason(
+    tiny_dir, tmp_path, caplog, family, settings, reason
+):
+    trainer = _trainer(tiny_dir, tmp_path, family, **settings)
+    trainer.args.max_steps = 2
+    with caplog.at_level(logging.WARNING, logger="vlm_grpo.trainer"):
+        trainer.train()
+    messages = [r.getMessage() for r in caplog.records if "Fast generation is off" in r.getMessage()]
+    assert len(messages) == 1 and reason in messages[0]
+    assert trainer.fast_generator.stats["calls"] == 0
+
+
+def test_group_prompts_compares_pixels_not_objects():
+    a, b = _image(0), _image(0)  # equal pixels, distinct objects (as TRL's sampler gives them)
+    assert group_prompts([[1, 2], [1, 2], [1, 2], [3]], [[a], [b], [_image(1)], None]) == ([0, 2, 3], [0, 0, 1, 2])
+
+
+@pytest.mark.slow
+def test_compiled_decode_matches_and_one_graph_serves_several_prompt_lengths(tiny_dir, tmp_path):
+    import torch._dynamo.utils
+
+    trainer = _trainer(tiny_dir, tmp_path, generations=2)
+    trainer.fast_generator.compile = True
+    torch._dynamo.reset()
+    for row in (ROWS[0], ROWS[2]):  # prompt lengths differ, the cache bucket does not
+        batch = _batch(trainer, [row], 2)
+        assert _fast(trainer, batch) == _plain(trainer, batch, 2)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1

@@ -1,0 +1,224 @@
+"""Your own data for GRPO: load a dataset from the Hub, disk, a file or an image folder and map it to GRPO rows.
+
+    train, test = load_grpo_dataset("data/train.jsonl", test_size=0.1)   # image paths relative to the file
+    train, test = load_grpo_dataset("hiyouga/geometry3k", eval_split="test")   # EasyR1 layout, no mapping needed
+
+Sources: a Hub id (`datasets.load_dataset`), a directory written by `save_to_disk`, a JSONL / JSON / CSV /
+Parquet file whose image column holds paths (relative to the file) or bytes, or an image folder with
+`metadata.jsonl` (the `imagefolder` builder). Rows come out as the trainer expects them: `prompt` (chat
+messages), `image` or `images`, `answer`, other columns kept (they reach the reward functions).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["DatasetError", "load_grpo_dataset", "load_split", "to_grpo_rows"]
+
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+PROMPT_COLUMNS = ("prompt", "problem", "question", "query")
+IMAGE_COLUMNS = ("images", "image")
+ANSWER_COLUMNS = ("answer", "solution", "ground_truth")
+IMAGE_PLACEHOLDER = "<image>"
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be used as given; the message names the fix."""
+
+
+def _looks_local(source: str) -> bool:
+    # A Hub id is `name` or `owner/name`; anything else that does not exist is a mistyped path.
+    return (
+        os.path.isabs(source) or source.startswith((".", "~")) or source.count("/") > 1
+        or os.path.splitext(source)[1].lower() in FILE_BUILDERS
+    )  # fmt: skip
+
+
+def _pick_split(splits: Any, split: str, source: str) -> Any:
+    if split not in splits:
+        raise DatasetError(f"{source} has no split {split!r}; its splits: {', '.join(splits)}.")
+    return splits[split]
+
+
+def load_split(source: str, split: str = "train", name: str | None = None, image_column: str | None = None) -> Any:
+    """One split of `source` as a `datasets.Dataset`, image columns (`image`, `images`, `image_column`) holding paths
+    or bytes cast to `datasets.Image`.
+
+    A single file has one split, `train`. Raises `DatasetError` for a missing path or split.
+    """
+    import datasets
+
+    path = os.path.expanduser(source)
+    if os.path.isdir(path):
+        if any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json")):
+            loaded = datasets.load_from_disk(path)
+            dataset = _pick_split(loaded, split, source) if isinstance(loaded, datasets.DatasetDict) else loaded
+            if not isinstance(loaded, datasets.DatasetDict) and split != "train":
+                raise DatasetError(f"{source} holds one split (a saved Dataset); use --test_size for a held-out part.")
+        else:  # an image folder: metadata.jsonl / .csv next to the images, optionally train/ and test/ subfolders
+            dataset = _pick_split(datasets.load_dataset("imagefolder", data_dir=path), split, source)
+        return _images_as_features(dataset, path, image_column)
+    if os.path.isfile(path):
+        builder = FILE_BUILDERS.get(os.path.splitext(path)[1].lower())
+        if builder is None:
+            raise DatasetError(f"{source}: unknown file type; use one of {', '.join(FILE_BUILDERS)} or a directory.")
+        if split != "train":
+            raise DatasetError(f"{source} is one file with one split; hold rows out with --test_size instead of {split!r}.")
+        dataset = datasets.load_dataset(builder, data_files=path, split="train")
+        return _images_as_features(dataset, os.path.dirname(os.path.abspath(path)), image_column)
+    if _looks_local(source):
+        raise DatasetError(f"no such file or directory: {source}")
+    return datasets.load_dataset(source, name, split=split)  # a Hub id
+
+
+def _images_as_features(dataset: Any, base_dir: str, image_column: str | None) -> Any:
+    """Cast image columns holding paths (relative to `base_dir`) or bytes to `datasets.Image`, checking paths exist."""
+    from datasets import List, Sequence, Value
+
+    for column in [c for c in (image_column, *IMAGE_COLUMNS) if c in dataset.column_names]:
+        feature = dataset.features[column]
+        inner = feature.feature if isinstance(feature, (List, Sequence)) else feature
+        if isinstance(inner, Value) and inner.dtype in ("string", "large_string", "binary", "large_binary"):
+            dataset = _resolve_images(dataset, column, as_list=inner is not feature, base_dir=base_dir)
+    return dataset
+
+
+def _resolve_images(dataset: Any, column: str, as_list: bool, base_dir: str) -> Any:
+    from datasets import Features, Image, List
+
+    def fix(value: Any) -> Any:
+        if value is None or isinstance(value, bytes):
+            return None if value is None else {"bytes": value, "path": None}
+        path = os.path.join(base_dir, os.path.expanduser(value))
+        if not os.path.exists(path):
+            raise DatasetError(f"image {value!r} in column `{column}` not found (looked for {path}).")
+        return {"bytes": None, "path": path}
+
+    def fix_batch(batch: dict[str, list]) -> dict[str, list]:
+        return {column: [[fix(v) for v in (row or [])] if as_list else fix(row) for row in batch[column]]}
+
+    features = Features({**dataset.features, column: List(Image()) if as_list else Image()})
+    return dataset.map(fix_batch, batched=True, features=features, desc=f"resolving `{column}`")
+
+
+def _find(columns: list[str], given: str | None, candidates: tuple[str, ...], flag: str) -> str | None:
+    if given is not None:
+        if given not in columns:
+            raise DatasetError(f"{flag} {given!r} is not a column of the dataset (columns: {', '.join(columns)}).")
+        return given
+    return next((c for c in candidates if c in columns), None)
+
+
+def _messages(text: str, n_images: int, system_prompt: str | None, template: str | None) -> list[dict[str, Any]]:
+    if template:
+        text = template.replace("{prompt}", text)
+    parts = text.split(IMAGE_PLACEHOLDER)
+    if len(parts) == 1:  # no placeholder: the images go before the question, as TRL places them
+        content = [{"type": "image", "text": None}] * n_images + [{"type": "text", "text": text}]
+    elif len(parts) - 1 != n_images:
+        raise DatasetError(
+            f"a prompt has {len(parts) - 1} {IMAGE_PLACEHOLDER} placeholder(s) but its row has {n_images} image(s): "
+            f"{text[:80]!r}. Make them match."
+        )
+    else:
+        content = []
+        for i, part in enumerate(parts):
+            if i:
+                content.append({"type": "image", "text": None})
+            if part.strip():
+                content.append({"type": "text", "text": part.strip()})
+    messages = [{"role": "user", "content": content}]
+    if system_prompt:
+        messages.insert(0, {"role": "system", "content": [{"type": "text", "text": system_prompt}]})
+    return messages
+
+
+def to_grpo_rows(
+    dataset: Any,
+    *,
+    prompt_column: str | None = None,
+    image_column: str | None = None,
+    answer_column: str | None = None,
+    system_prompt: str | None = None,
+    prompt_template: str | None = None,
+) -> Any:
+    """Rename the mapped columns to `prompt`, `image`/`images` and `answer`; string prompts become chat messages.
+
+    Unmapped columns default to the usual names (`prompt`/`problem`/`question`, `images`/`image`,
+    `answer`/`solution`), so the EasyR1 / geometry3k layout needs no flags. String prompts get
+    `prompt_template` (`{prompt}` is replaced by the question) and `system_prompt`; `<image>` in the text
+    places the row's images there (else they go before the question).
+    """
+    from datasets import Image, List, Sequence
+
+    columns = list(dataset.column_names)
+    prompt = _find(columns, prompt_column, PROMPT_COLUMNS, "--prompt_column")
+    if prompt is None:
+        raise DatasetError(f"no prompt column among {', '.join(columns)}; name it with --prompt_column.")
+    image = _find(columns, image_column, IMAGE_COLUMNS, "--image_column")
+    answer = _find(columns, answer_column, ANSWER_COLUMNS, "--answer_column")
+    if prompt_template is not None and "{prompt}" not in prompt_template:
+        raise DatasetError("--prompt_template must contain {prompt}, where the question goes.")
+
+    many = image is not None and isinstance(dataset.features[image], (List, Sequence, list))
+    renames = {prompt: "prompt", answer: "answer", image: "images" if many else "image"}
+    renames = {old: new for old, new in renames.items() if old is not None and old != new}
+    # A mapped column replaces any column that already has its target name (and the other image column).
+    drop = [c for c in columns if c in renames.values() and c not in renames]
+    if image is not None:
+        drop += [c for c in IMAGE_COLUMNS if c in columns and c != image and c not in drop]
+    dataset = dataset.remove_columns(drop).rename_columns(renames)
+    image = renames.get(image, image)
+
+    if isinstance(dataset[0]["prompt"] if len(dataset) else None, str):
+        raw = dataset
+        if image is not None:  # count images without decoding them
+            undecoded = List(Image(decode=False)) if many else Image(decode=False)
+            raw = dataset.cast_column(image, undecoded)
+
+        def convert(batch: dict[str, list]) -> dict[str, list]:
+            counts = [len(v or []) if many else int(v is not None) for v in batch[image]] if image else [0] * len(batch["prompt"])
+            return {"prompt": [_messages(t, n, system_prompt, prompt_template) for t, n in zip(batch["prompt"], counts)]}
+
+        dataset = raw.map(convert, batched=True, desc="building chat prompts")
+        if image is not None:
+            dataset = dataset.cast_column(image, List(Image()) if many else Image())
+    elif prompt_template is not None:
+        raise DatasetError("--prompt_template applies to string prompts; this dataset's prompts are chat messages.")
+    elif system_prompt:
+        dataset = dataset.map(lambda row: {"prompt": _with_system(row["prompt"], system_prompt)}, desc="system prompt")
+    return dataset
+
+
+def _with_system(messages: list[dict[str, Any]], system_prompt: str) -> list[dict[str, Any]]:
+    if messages and messages[0].get("role") == "system":
+        return messages
+    structured = any(isinstance(m.get("content"), list) for m in messages)
+    content = [{"type": "text", "text": system_prompt}] if structured else system_prompt
+    return [{"role": "system", "content": content}, *messages]
+
+
+def load_grpo_dataset(
+    source: str,
+    split: str = "train",
+    *,
+    name: str | None = None,
+    eval_split: str | None = None,
+    test_size: float = 0,
+    seed: int = 0,
+    **columns: Any,
+) -> tuple[Any, Any | None]:
+    """`(train, test)` GRPO datasets from `source`: `eval_split`, else `test_size` rows held out (a fraction < 1 or a
+    count; 0: no held-out set). `columns` go to `to_grpo_rows` (column mapping, system prompt, template)."""
+    image_column = columns.get("image_column")
+    train = load_split(source, split, name, image_column)
+    test = load_split(source, eval_split, name, image_column) if eval_split else None
+    if test is None and test_size:
+        size = test_size if 0 < test_size < 1 else int(test_size)
+        if not 0 < size < len(train):
+            raise DatasetError(f"--test_size {test_size} leaves no training rows ({len(train)} rows in {source}).")
+        parts = train.train_test_split(test_size=size, seed=seed)
+        train, test = parts["train"], parts["test"]
+    train = to_grpo_rows(train, **columns)
+    return train, to_grpo_rows(test, **columns) if test is not None else None
