@@ -205,7 +205,10 @@ def run_worker(args) -> None:
     result = {"trainer": trainer_name, "load_s": load_s, "steps": records, "losses": losses, "mean_lengths": lengths,
               "params": sum(p.numel() for p in trainer.model.parameters()),
               "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
-              "fast_generation": dict(getattr(getattr(trainer, "fast_generator", None), "stats", {}))}  # fmt: skip
+              "fast_generation": dict(getattr(getattr(trainer, "fast_generator", None), "stats", {})),
+              # vlm-grpo: log-prob calls served by the shared-prefix path, and why any fell back to TRL's
+              "shared_prefix_calls": getattr(trainer, "shared_prefix_calls", None),
+              "shared_prefix_fallbacks": getattr(trainer, "shared_prefix_fallbacks", {})}  # fmt: skip
     with open(args.worker_out, "w") as f:
         json.dump(result, f)
 

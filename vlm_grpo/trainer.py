@@ -13,6 +13,8 @@ overrides only these hooks:
 - `_generate_single_turn`: the model switched to inference mode for generation and back after; completions
   from `vlm_grpo.fast_generation` (one prefill per prompt group, compiled decode) unless TRL's vLLM path or a
   setting it cannot serve is in use (then TRL's `model.generate`, with a one-time log line naming why).
+- `_get_per_token_logps_and_entropies`: each group's prompt and images computed once (`vlm_grpo.shared_prefix`),
+  same log-probs and gradients; TRL's per-row forward for what it cannot serve (a one-time log line naming why).
 Everything else (losses, GSPO, vLLM, logging, checkpointing) is TRL's own.
 """
 
@@ -34,6 +36,7 @@ from .model import FastBaseVisionModel, is_checkpointing
 from .processor import load_processor
 from .reward_checks import checked_reward_func
 from .rows import check_dataset, prepare_row, rows_for_rewards
+from .shared_prefix import SharedPrefixUnsupported, shared_prefix_logps
 
 __all__ = ["VLMGRPOConfig", "VLMGRPOTrainer"]
 
@@ -95,6 +98,12 @@ class VLMGRPOConfig(GRPOConfig):
         default=True,
         metadata={"help": "Merge LoRA into the 16-bit base weights while generating (restored bit-exactly after; costs "
                   "one copy of the adapted weights in memory). 4-bit bases always generate unmerged."},
+    )  # fmt: skip
+    shared_prefix: bool = field(
+        default=True,
+        metadata={"help": "Compute each group's prompt and images once when scoring and training (the G completions "
+                  "of a prompt packed into one row that attends to it; same log-probs and gradients). Models or "
+                  "settings it cannot serve (e.g. FlashAttention) fall back to TRL's per-row forward, logged once."},
     )  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -336,3 +345,30 @@ class VLMGRPOTrainer(GRPOTrainer):
             self._fast_generation_fallbacks.add(reason)
             logger.warning("Fast generation is off for this batch (%s); using TRL's model.generate.", reason)
         return None
+
+    shared_prefix_calls: int = 0  # log-prob computations served by the shared-prefix path
+
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+        compute_aux_loss=False, **model_inputs,
+    ):  # fmt: skip
+        # Each group's prompt and images computed once (vlm_grpo.shared_prefix), else TRL's per-row forward.
+        if getattr(self.args, "shared_prefix", False):
+            try:
+                with self.accelerator.autocast():
+                    logps, entropies = shared_prefix_logps(
+                        model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                        compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
+                        unwrapped_model=self.accelerator.unwrap_model(model), **model_inputs,
+                    )  # fmt: skip
+                self.shared_prefix_calls += 1
+                return logps, entropies, None
+            except SharedPrefixUnsupported as error:
+                fallbacks = self.__dict__.setdefault("shared_prefix_fallbacks", {})
+                if str(error) not in fallbacks:
+                    logger.warning("Shared-prefix scoring off for this call, using TRL's per-row forward: %s", error)
+                fallbacks[str(error)] = fallbacks.get(str(error), 0) + 1
+        return super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, compute_entropy=compute_entropy,
+            compute_aux_loss=compute_aux_loss, **model_inputs,
+        )  # fmt: skip

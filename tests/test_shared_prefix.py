@@ -1,0 +1,221 @@
+"""Shared-prefix scoring matches TRL's per-row path: log-probs, entropies, loss and every gradient."""
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from PIL import Image
+from trl import GRPOTrainer
+from trl.trainer.utils import shuffle_sequence_dict, split_pixel_values_by_grid, unsplit_pixel_values_by_grid
+
+from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
+from vlm_grpo.hooks import find_vision_tower
+from vlm_grpo.model import FastVisionModel, is_checkpointing
+from vlm_grpo.shared_prefix import unsupported_reason
+from vlm_grpo.tiny import TINY_FAMILIES
+from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+
+COLORS = answer_words("color", 1)
+MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "token_type_ids",
+              "mm_token_type_ids")  # fmt: skip
+
+
+def _zero_reward(prompts, completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def _user(*parts):
+    return [
+        {"role": "user", "content": [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]}
+    ]
+
+
+def _rows(family):
+    side = 64 if family == "qwen3_vl" else 56
+    red, green = Image.new("RGB", (side, side), (255, 0, 0)), Image.new("RGB", (side, side), (0, 255, 0))
+    wide_blue = Image.new("RGB", (side * 3 // 2, side), (0, 0, 255))
+    text, one = {"prompt": _user("Say red."), "images": []}, {"prompt": _user(None, "What colour?"), "images": [red]}
+    two = {"prompt": _user(None, "and", None, "first?"), "images": [red, wide_blue]}
+    # Same tokens as `one` / `two` (for Gemma3 / Idefics3 `swapped` too: they resize every image), other pixels:
+    # the shared path must tell them apart by their pixels. Each appears once (a group of one).
+    other_pixels = {"prompt": _user(None, "What colour?"), "images": [green]}
+    swapped = {"prompt": _user(None, "and", None, "first?"), "images": [wide_blue, red]}
+    # 9 images in 8 rows: TRL's split_pixel_values_by_grid takes Idefics3's per-row pixel_values for per-image ones
+    # when the image count equals the row count, and then shuffles images away from their rows.
+    return [text, text, one, one, two, two, other_pixels, swapped]
+
+
+ROW_IMAGES, UNIQUE_IMAGES = 9, 6  # images in TRL's rows, and in the distinct prompts (0 + 1 + 2 + 1 + 2)
+
+
+def _trainer(tiny_dir, tmp_path, family, lora=None, gc=False, attn=None, **config):
+    model, processor = FastVisionModel.from_pretrained(
+        tiny_dir(family, words=COLORS),
+        full_finetuning=lora is None,
+        attn_implementation=attn,
+        use_gradient_checkpointing=gc,
+    )
+    if lora is not None:
+        model = FastVisionModel.get_peft_model(
+            model, r=4, finetune_vision_layers=lora in ("vision", "both"),
+            finetune_language_layers=lora in ("language", "both"), use_gradient_checkpointing=gc,
+            init_lora_weights=False,  # non-zero B: every LoRA matrix gets a gradient
+        )  # fmt: skip
+    args = VLMGRPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=2, max_completion_length=6,
+        report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+        gradient_checkpointing=bool(gc), gradient_checkpointing_kwargs={"use_reentrant": gc == "reentrant"}, **config,
+    )  # fmt: skip
+    dataset = Dataset.from_list(_rows(family))
+    return VLMGRPOTrainer(model, [_zero_reward], args=args, train_dataset=dataset, processing_class=processor)
+
+
+def _batch(trainer, family):
+    """TRL's own training batch for `_rows`: generated, completions cut to mixed lengths, shuffled like TRL does."""
+    torch.manual_seed(0)
+    inputs = trainer._generate_and_score_completions(_rows(family))
+    lengths = torch.tensor([6, 3, 1, 5, 0, 4, 2, 6])  # 0: a fully masked completion (TRL's masked truncation)
+    inputs["completion_mask"] = inputs["completion_mask"] * (torch.arange(6)[None] < lengths[:, None]).int()
+    inputs["advantages"] = torch.randn(len(lengths))  # the zero reward gives zero advantages: nothing to compare
+    return unsplit_pixel_values_by_grid(shuffle_sequence_dict(split_pixel_values_by_grid(inputs)))
+
+
+def _logps(trainer, inputs, plain, batch_size=None):
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    method = (
+        GRPOTrainer._get_per_token_logps_and_entropies if plain else VLMGRPOTrainer._get_per_token_logps_and_entropies
+    )
+    logps, entropies, _ = method(
+        trainer, trainer.model, input_ids, attention_mask, inputs["completion_ids"].size(1), batch_size=batch_size,
+        compute_entropy=True, **{k: inputs[k] for k in MULTIMODAL if k in inputs},
+    )  # fmt: skip
+    return logps, entropies
+
+
+class _CountImages:
+    """Counts the images each vision-tower call encodes."""
+
+    def __init__(self, model):
+        self.counts = []
+        self.handle = find_vision_tower(model).register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        grid = kwargs.get("grid_thw")
+        pixels = args[0] if args else kwargs["pixel_values"]
+        self.counts.append(len(grid) if grid is not None else len(pixels))
+
+
+@pytest.mark.trains
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_logps_and_entropies_match_the_plain_path(tiny_dir, tmp_path, family):
+    # Gemma3 runs with eager attention (the additive-mask branch) and a sliding window shorter than its prompts.
+    trainer = _trainer(tiny_dir, tmp_path, family, attn="eager" if family == "gemma3" else None)
+    if family == "gemma3":
+        trainer.model.config.text_config.sliding_window = 6
+    inputs = _batch(trainer, family)
+    mask = inputs["completion_mask"].bool()
+    counter = _CountImages(trainer.model)
+    with torch.no_grad():
+        plain, plain_entropy = _logps(trainer, inputs, plain=True)
+        calls = trainer.shared_prefix_calls
+        for batch_size in (None, 3):  # 3: whole groups per forward, several forwards
+            shared, shared_entropy = _logps(trainer, inputs, plain=False, batch_size=batch_size)
+            assert (shared - plain)[mask].abs().max() < 1e-4
+            assert (shared_entropy - plain_entropy)[mask].abs().max() < 1e-4
+            assert not shared[~mask].any() and not shared_entropy[~mask].any()  # zeros, as TRL's
+    assert trainer.shared_prefix_calls == calls + 2 and not getattr(trainer, "shared_prefix_fallbacks", {})
+    # TRL encodes every row's images; the shared path each group's once (the pixel-only twins kept apart).
+    assert sum(counter.counts[:1]) == ROW_IMAGES and sum(counter.counts[1:2]) == UNIQUE_IMAGES
+    assert sum(counter.counts[2:]) == UNIQUE_IMAGES
+    assert plain[mask].std() > 0.1  # the comparison is not between constants
+
+
+GRADIENT_SETTINGS = [(family, "both", True) for family in TINY_FAMILIES] + [
+    ("qwen2_5_vl", "vision", "reentrant"),
+    ("qwen2_5_vl", "language", False),
+    ("qwen2_5_vl", None, False),  # full fine-tuning
+    ("gemma3", "vision", "reentrant"),
+    ("qwen3_vl", "language", "reentrant"),
+    ("idefics3", "vision", False),
+]
+
+
+@pytest.mark.trains
+@pytest.mark.parametrize("family, lora, gc", GRADIENT_SETTINGS)
+def test_loss_and_every_gradient_match_the_plain_path(tiny_dir, tmp_path, family, lora, gc):
+    trainer = _trainer(tiny_dir, tmp_path, family, lora=lora, gc=gc)
+    inputs = _batch(trainer, family)
+    model = trainer.model
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train; the loss normalises by it
+    assert is_checkpointing(model) == bool(gc)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    results = {}
+    for shared in (False, True):
+        trainer.args.shared_prefix = shared
+        model.zero_grad()
+        loss = trainer.compute_loss(model, inputs)
+        loss.backward()
+        results[shared] = loss.detach(), {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
+    assert trainer.shared_prefix_calls >= 1
+    (plain_loss, plain_grads), (shared_loss, shared_grads) = results[False], results[True]
+    assert torch.isfinite(plain_loss) and abs(shared_loss - plain_loss) <= 1e-3 * abs(plain_loss) + 1e-6
+    assert set(shared_grads) == set(plain_grads) == set(params)
+    for name, grad in plain_grads.items():
+        assert grad.norm() > 0, name
+        assert (shared_grads[name] - grad).norm() <= 1e-3 * grad.norm(), name
+    if lora in ("vision", "both"):
+        assert any(".visual." in n or "vision" in n for n in plain_grads)
+
+
+@pytest.mark.trains
+def test_training_takes_the_shared_path(tiny_dir, tmp_path):
+    # beta > 0 with a fresh adapter: the reference is the adapter-disabled base; num_iterations=2: old log-probs too.
+    model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl", words=COLORS), full_finetuning=False)
+    model = FastVisionModel.get_peft_model(model, r=4)
+    args = VLMGRPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4, max_completion_length=4,
+        max_steps=2, num_iterations=2, beta=0.04, learning_rate=1e-3, logging_steps=1, report_to="none",
+        save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    trainer = VLMGRPOTrainer(model, [_zero_reward], args=args, train_dataset=make_visual_reasoning_dataset("color", 8),
+                             processing_class=processor)  # fmt: skip
+    assert trainer.ref_model is None and trainer.beta == 0.04
+    trainer.train()
+    # Step 1 generates: old and reference log-probs, then the policy; step 2 reuses the batch: the policy only.
+    assert trainer.shared_prefix_calls == 4 and not getattr(trainer, "shared_prefix_fallbacks", {})
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+
+
+@pytest.mark.trains
+def test_unservable_batch_falls_back_to_trl_logged_once(tiny_dir, tmp_path, caplog):
+    trainer = _trainer(tiny_dir, tmp_path, "qwen2_5_vl")
+    inputs = _batch(trainer, "qwen2_5_vl")
+    # Without mm_token_type_ids (older processors) the 3-D positions cannot be built: TRL's path serves the call.
+    del inputs["mm_token_type_ids"]
+    calls = trainer.shared_prefix_calls
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        expected, _ = _logps(trainer, inputs, plain=True)
+        for _ in range(2):
+            got, _ = _logps(trainer, inputs, plain=False)
+            assert torch.equal(got, expected)
+    assert trainer.shared_prefix_calls == calls
+    assert list(trainer.shared_prefix_fallbacks.values()) == [2]
+    assert caplog.text.count("mm_token_type_ids") == 1
+
+
+def test_unsupported_models_and_settings_are_named(tiny_dir):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))  # fmt: skip
+    assert "model type 'llama'" in unsupported_reason(llama)
+    model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl", words=COLORS), full_finetuning=True)
+    assert unsupported_reason(model) is None
+    assert "load-balancing" in unsupported_reason(model, compute_aux_loss=True)
+    assert "image_sizes" in unsupported_reason(model, image_sizes=torch.ones(1, 2))
+    model.config.get_text_config()._attn_implementation = "flash_attention_2"
+    assert "flash_attention_2" in unsupported_reason(model)
