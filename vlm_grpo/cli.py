@@ -238,6 +238,8 @@ def _check(script: ScriptArguments, config: Any) -> None:
             raise UsageError(f"--difficulty must be one of {', '.join(map(str, DIFFICULTIES))}, got {script.difficulty}.")
         if script.test_size is not None and (script.test_size < 1 or script.test_size != int(script.test_size)):
             raise UsageError(f"--test_size for a synthetic task is a count >= 1, got {script.test_size:g}.")
+        if script.prompt_template is not None and "{prompt}" not in script.prompt_template:
+            raise UsageError("--prompt_template must contain {prompt}, where the question goes.")
     elif script.test_size is not None and script.test_size < 0:
         raise UsageError(f"--test_size must be a fraction in (0, 1), a count, or 0, got {script.test_size:g}.")
     if script.model.startswith(TINY_PREFIX) and script.model[len(TINY_PREFIX) :] not in TINY_FAMILIES:
@@ -263,7 +265,28 @@ def _synthetic_data(script: ScriptArguments, config: Any) -> tuple[Any, Any, lis
     # Closed-vocabulary accuracy: 1 when the completion names exactly one candidate answer, the right one.
     reward = iou if script.task == "locate" else make_choice_reward(answer_words(script.task, script.difficulty))
     funcs = [resolve_reward(n) for n in script.reward_funcs] if script.reward_funcs else [reward]
+    if script.system_prompt or script.prompt_template:
+        train, test = (_synthetic_prompts(d, script.system_prompt, script.prompt_template) for d in (train, test))
     return train, test, funcs, f"synthetic task '{script.task}'"
+
+
+def _synthetic_prompts(dataset: Any, system_prompt: str | None, template: str | None) -> Any:
+    """`--system_prompt` / `--prompt_template` on the synthetic task's rows (chat prompts of one user message)."""
+    import datasets
+
+    def edit(row: dict[str, Any]) -> dict[str, Any]:
+        messages = [dict(m) for m in row["prompt"]]
+        if template:
+            messages[-1]["content"] = template.replace("{prompt}", messages[-1]["content"])
+        if system_prompt:
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        return {"prompt": messages}
+
+    datasets.disable_progress_bars()
+    try:
+        return dataset.map(edit)
+    finally:
+        datasets.enable_progress_bars()
 
 
 def _own_data(script: ScriptArguments, config: Any) -> tuple[Any, Any, list[Callable], str]:
