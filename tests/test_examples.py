@@ -191,3 +191,14 @@ def test_metrics_jsonl_holds_sample_completions_with_their_rewards(cpu_recipe_ru
             # the completion named exactly one colour.
             if sample["rewards"]["choice_accuracy"] == 1.0:
                 assert sample["choice_accuracy_pred"] in ("red", "green", "blue", "yellow")
+
+
+def test_readme_examples_section_links_every_example():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    section = readme[readme.index("## Examples") : readme.index("\n## ", readme.index("## Examples") + 1)]
+    shipped = [os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(EXAMPLES, "**", "*.*"), recursive=True)]
+    assert len(shipped) >= 6
+    for path in shipped:
+        assert f"]({path})" in section, path
+    assert "vlm-grpo --config" in section
