@@ -26,7 +26,8 @@ from vlm_grpo.rewards import answer_accuracy, make_choice_reward, think_answer_f
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--model", default="tiny:qwen2_5_vl", help="Hub id or path; tiny:<family> builds one offline")
 parser.add_argument("--load_in_4bit", action="store_true", help="4-bit base weights (CUDA + bitsandbytes)")
-parser.add_argument("--task", default="color", help="synthetic task: color, count, spatial, arithmetic, position")
+parser.add_argument("--task", default="color", choices=["color", "count", "spatial", "arithmetic", "position"],
+                    help="synthetic task (boxes, i.e. locate, need the iou reward: see examples/recipes)")
 parser.add_argument("--dataset", default=None, help="your data instead: a Hub id or a JSONL / CSV / Parquet file")
 parser.add_argument("--eval_split", default=None, help="the dataset's split for accuracy (else 10%% held out)")
 parser.add_argument("--max_steps", type=int, default=None, help="training steps (default: the recipe's)")
