@@ -14,7 +14,7 @@ from datasets import Image as ImageFeature
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
-from vlm_grpo.cli import main, parse_args, run
+from vlm_grpo.cli import UsageError, main, parse_args, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_RUN = ["--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "2",
@@ -215,3 +215,17 @@ def test_image_folder_with_metadata(tmp_path):
     _assert_ok(proc)
     assert "(shapes, 2 prompts)" in proc.stdout
     assert len([r for r in _metrics(out) if "reward" in r]) == 2
+
+
+def test_system_prompt_and_template_reach_the_synthetic_task_prompts(tmp_path):
+    from vlm_grpo.cli import _synthetic_data
+
+    script, config = parse_args(["--train_size", "2", "--test_size", "2", "--output_dir", str(tmp_path / "run"),
+                                 "--system_prompt", "Be brief.", "--prompt_template", "{prompt} Think first."])  # fmt: skip
+    train, test, _, _ = _synthetic_data(script, config)
+    for prompt in list(train["prompt"]) + list(test["prompt"]):
+        assert prompt == [{"role": "system", "content": "Be brief."},
+                          {"role": "user", "content": "What colour is the shape? Answer with one word. Think first."}]  # fmt: skip
+    with pytest.raises(UsageError, match=r"must contain \{prompt\}"):
+        run(*parse_args(["--prompt_template", "no placeholder", "--output_dir", str(tmp_path / "bad")]))
+    assert not (tmp_path / "bad").exists()

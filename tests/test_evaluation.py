@@ -3,7 +3,7 @@ import math
 import pytest
 
 from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
-from vlm_grpo.evaluation import evaluate, pass_at_k
+from vlm_grpo.evaluation import evaluate, pass_at_k, sample_completions
 from vlm_grpo.model import FastVisionModel
 from vlm_grpo.rewards import make_choice_reward
 
@@ -59,3 +59,19 @@ def test_package_level_evaluate_is_the_function_even_after_submodule_imports():
     from vlm_grpo.evaluation import evaluate as function
 
     assert vlm_grpo.evaluate is function and callable(vlm_grpo.evaluate)
+
+
+def test_sample_completions_are_the_greedy_answers_that_evaluate_scores(tiny_dir):
+    words = answer_words("color", 1)
+    model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl", words=words))
+    dataset = make_visual_reasoning_dataset("color", 5, seed=0, split="test")
+    reward = make_choice_reward(words)
+    samples = sample_completions(model, processor, dataset, [reward], max_new_tokens=3, batch_size=2)
+    assert len(samples) == 5 and all(set(s) == {"completion", "choice_accuracy"} for s in samples)
+    # Each score is the reward of that completion for that row, and their mean is evaluate's greedy accuracy.
+    assert [s["choice_accuracy"] for s in samples] == reward(
+        prompts=None, completions=[s["completion"] for s in samples], answer=dataset["answer"])
+    accuracy = evaluate(model, processor, dataset, [reward], max_new_tokens=3)["accuracy"]
+    assert sum(s["choice_accuracy"] for s in samples) / 5 == pytest.approx(accuracy)
+    assert sample_completions(model, processor, dataset.select(range(2)), max_new_tokens=3) == [
+        {"completion": s["completion"]} for s in samples[:2]]  # no rewards: completions only

@@ -5,9 +5,9 @@
     vlm-grpo --dataset data/train.jsonl --reward_funcs think_answer_format answer_accuracy   # your own data
     vlm-grpo --config recipe.yaml              # any flag below, or of VLMGRPOConfig, from YAML
 
-It prints held-out accuracy before and after training and writes to `--output_dir`:
-`metrics.jsonl` (one line per logging step), `reward_curve.png`, `eval.json` and `final/`
-(the trained checkpoint with its processor, written atomically).
+It prints held-out accuracy before and after training and writes to `--output_dir`: `metrics.jsonl` (one line
+per logging step, with a few sample completions), `reward_curve.png`, `eval.json` and `final/` (the trained
+checkpoint with its processor, written atomically).
 
 `main()` is the console script (returns the exit status); `run(script, config)` is for Python callers.
 """
@@ -238,6 +238,8 @@ def _check(script: ScriptArguments, config: Any) -> None:
             raise UsageError(f"--difficulty must be one of {', '.join(map(str, DIFFICULTIES))}, got {script.difficulty}.")
         if script.test_size is not None and (script.test_size < 1 or script.test_size != int(script.test_size)):
             raise UsageError(f"--test_size for a synthetic task is a count >= 1, got {script.test_size:g}.")
+        if script.prompt_template is not None and "{prompt}" not in script.prompt_template:
+            raise UsageError("--prompt_template must contain {prompt}, where the question goes.")
     elif script.test_size is not None and script.test_size < 0:
         raise UsageError(f"--test_size must be a fraction in (0, 1), a count, or 0, got {script.test_size:g}.")
     if script.model.startswith(TINY_PREFIX) and script.model[len(TINY_PREFIX) :] not in TINY_FAMILIES:
@@ -263,7 +265,28 @@ def _synthetic_data(script: ScriptArguments, config: Any) -> tuple[Any, Any, lis
     # Closed-vocabulary accuracy: 1 when the completion names exactly one candidate answer, the right one.
     reward = iou if script.task == "locate" else make_choice_reward(answer_words(script.task, script.difficulty))
     funcs = [resolve_reward(n) for n in script.reward_funcs] if script.reward_funcs else [reward]
+    if script.system_prompt or script.prompt_template:
+        train, test = (_synthetic_prompts(d, script.system_prompt, script.prompt_template) for d in (train, test))
     return train, test, funcs, f"synthetic task '{script.task}'"
+
+
+def _synthetic_prompts(dataset: Any, system_prompt: str | None, template: str | None) -> Any:
+    """`--system_prompt` / `--prompt_template` on the synthetic task's rows (chat prompts of one user message)."""
+    import datasets
+
+    def edit(row: dict[str, Any]) -> dict[str, Any]:
+        messages = [dict(m) for m in row["prompt"]]
+        if template:
+            messages[-1]["content"] = template.replace("{prompt}", messages[-1]["content"])
+        if system_prompt:
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        return {"prompt": messages}
+
+    datasets.disable_progress_bars()
+    try:
+        return dataset.map(edit)
+    finally:
+        datasets.enable_progress_bars()
 
 
 def _own_data(script: ScriptArguments, config: Any) -> tuple[Any, Any, list[Callable], str]:
@@ -305,20 +328,6 @@ def _own_data(script: ScriptArguments, config: Any) -> tuple[Any, Any, list[Call
 _ANSWER_REWARDS = ("answer_accuracy", "multiple_choice", "counting", "anls")
 
 
-class _JsonlLogger:
-    """Trainer callback writing each log record as one JSON line (flushed, so a crash keeps what was logged)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        open(path, "w").close()
-
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
-        """Append one JSON line per log record (main process only)."""
-        if logs and state.is_world_process_zero:
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"step": state.global_step, **logs}) + "\n")
-
-
 def _summary(logs: dict[str, Any]) -> dict[str, str]:
     """The few numbers worth watching: mean reward, each reward function's mean (`acc` for accuracy ones), KL."""
     shown = {}
@@ -334,9 +343,11 @@ def _summary(logs: dict[str, Any]) -> dict[str, str]:
 
 
 def _progress_callbacks(trainer: Any, metrics_path: str) -> None:
-    """Replace transformers' per-log dict printing with one progress bar (reward in its postfix); full records go
-    to metrics.jsonl. With `--disable_tqdm true`, one short line per logging step instead."""
+    """Replace transformers' per-log dict printing with one progress bar (reward in its postfix); full records, with
+    sample completions, go to metrics.jsonl. With `--disable_tqdm true`, one short line per logging step instead."""
     from transformers import PrinterCallback, ProgressCallback, TrainerCallback
+
+    from .callbacks import MetricsJsonlCallback
 
     class RewardProgressBar(ProgressCallback):
         def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
@@ -352,7 +363,10 @@ def _progress_callbacks(trainer: Any, metrics_path: str) -> None:
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(RewardPrinter() if trainer.args.disable_tqdm else RewardProgressBar())
-    trainer.add_callback(type("JsonlLogger", (_JsonlLogger, TrainerCallback), {})(metrics_path))
+    # A few sampled completions per logging step go with the metrics (`--num_completions_to_print` of them, else 4);
+    # `--log_completions true` also sends TRL's completion tables to wandb / trackio and output_dir/completions/.
+    samples = trainer.args.num_completions_to_print or 4
+    trainer.add_callback(MetricsJsonlCallback(metrics_path, trainer=trainer, num_samples=samples))
 
 
 def _plot(metrics_path: str, out_path: str, before: float, after: float, title: str) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -12,7 +12,7 @@ from .image_sizes import add_image_sizes
 from .model import FastBaseVisionModel
 from .rows import check_dataset, dataset_row, prepare_row, row_images
 
-__all__ = ["evaluate", "pass_at_k"]
+__all__ = ["evaluate", "pass_at_k", "sample_completions"]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -58,42 +58,19 @@ def evaluate(
         `{"mean_reward": ..., "accuracy": ..., "reward/<name>": ..., "pass@k": ...}` with pass@k for k = 1, 2, 4, ...
         up to `num_generations`. `accuracy` is the mean correctness over all samples (pass@1).
     """
-    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-    if not funcs:
-        raise ValueError("evaluate needs at least one reward function (the first decides correctness).")
-    if num_generations < 1 or batch_size < 1:
-        raise ValueError("num_generations and batch_size must be at least 1.")
-    dataset, _ = check_dataset(dataset, "dataset", check_images=False)
-    tokenizer = getattr(processor, "tokenizer", processor)
-    was_training = model.training
-    FastBaseVisionModel.for_inference(model)
-    tokenizer.padding_side = "left"
-    device = next(model.parameters()).device
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-
+    funcs = _check_funcs(reward_funcs)
+    if num_generations < 1:
+        raise ValueError("num_generations must be at least 1.")
     rewards: dict[str, list[float]] = {_name(f): [] for f in funcs}
     correct_per_row: list[int] = []
-    try:
-        for start in range(0, len(dataset), batch_size):
-            raw = [dict(r) for r in dataset.select(range(start, min(start + batch_size, len(dataset))))]
-            rows = add_image_sizes(raw, [prepare_row(r, min_pixels, max_pixels) for r in raw], processor)
-            completions = _generate(model, processor, rows, num_generations, max_new_tokens, temperature, device)
-            expanded = [dataset_row(row) for row in rows for _ in range(num_generations)]
-            columns = {k: [row.get(k) for row in expanded] for k in expanded[0] if k not in ("prompt", "image", "images")}
-            prompts = [row["prompt"] for row in expanded]
-            first: list[float | None] = []
-            for func in funcs:
-                values = func(prompts=prompts, completions=completions, **columns)
-                rewards[_name(func)].extend(float("nan") if v is None else float(v) for v in values)
-                first = first or list(values)
-            for i in range(len(rows)):
-                scores = first[i * num_generations : (i + 1) * num_generations]
-                correct_per_row.append(sum(1 for s in scores if s is not None and s >= correct_threshold))
-    finally:
-        torch.random.set_rng_state(generator_state)
-        if was_training:
-            FastBaseVisionModel.for_training(model)
+    batches = _scored_batches(model, processor, dataset, funcs, num_generations, max_new_tokens, temperature,
+                              batch_size, min_pixels, max_pixels, seed)  # fmt: skip
+    for _, scores in batches:
+        for name, values in scores.items():
+            rewards[name].extend(float("nan") if v is None else float(v) for v in values)
+        first = scores[_name(funcs[0])]
+        for i in range(0, len(first), num_generations):
+            correct_per_row.append(sum(1 for s in first[i : i + num_generations] if s is not None and s >= correct_threshold))
 
     result: dict[str, float] = {}
     for name, values in rewards.items():
@@ -106,6 +83,70 @@ def evaluate(
         result[f"pass@{k}"] = sum(pass_at_k(num_generations, c, k) for c in correct_per_row) / len(correct_per_row)
         k *= 2
     return result
+
+
+def sample_completions(
+    model: Any,
+    processor: Any,
+    dataset: Any,
+    reward_funcs: Callable | Sequence[Callable] = (),
+    *,
+    max_new_tokens: int = 64,
+    batch_size: int = 16,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+) -> list[dict[str, Any]]:
+    """The model's greedy completion for every row of `dataset`, with each reward function's score.
+
+    Returns one dict per row: `{"completion": text, "<reward name>": score, ...}` (a score is None where the reward
+    could not score the row). Rows are handled as in `evaluate` (and the trainer); e.g. to show what a model answers
+    before and after training with `vlm_grpo.display.CompletionTable`.
+    """
+    funcs = _check_funcs(reward_funcs, allow_none=True)
+    samples: list[dict[str, Any]] = []
+    batches = _scored_batches(model, processor, dataset, funcs, 1, max_new_tokens, 1.0, batch_size, min_pixels,
+                              max_pixels, 0)  # fmt: skip
+    for completions, scores in batches:
+        for i, completion in enumerate(completions):
+            samples.append({"completion": completion, **{name: values[i] for name, values in scores.items()}})
+    return samples
+
+
+def _check_funcs(reward_funcs: Callable | Sequence[Callable], allow_none: bool = False) -> list[Callable]:
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if not funcs and not allow_none:
+        raise ValueError("evaluate needs at least one reward function (the first decides correctness).")
+    return funcs
+
+
+def _scored_batches(model, processor, dataset, funcs, num_generations, max_new_tokens, temperature, batch_size,
+                    min_pixels, max_pixels, seed) -> Iterator[tuple[list[str], dict[str, list[float | None]]]]:  # fmt: skip
+    """Generate for the rows of `dataset` batch by batch (inference mode, seeded); yield each batch's completions
+    (`num_generations` per row, in row order) and every reward function's scores of them."""
+    if batch_size < 1:
+        raise ValueError("batch_size must be at least 1.")
+    dataset, _ = check_dataset(dataset, "dataset", check_images=False)
+    tokenizer = getattr(processor, "tokenizer", processor)
+    was_training = model.training
+    FastBaseVisionModel.for_inference(model)
+    tokenizer.padding_side = "left"
+    device = next(model.parameters()).device
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        for start in range(0, len(dataset), batch_size):
+            raw = [dict(r) for r in dataset.select(range(start, min(start + batch_size, len(dataset))))]
+            rows = add_image_sizes(raw, [prepare_row(r, min_pixels, max_pixels) for r in raw], processor)
+            completions = _generate(model, processor, rows, num_generations, max_new_tokens, temperature, device)
+            expanded = [dataset_row(row) for row in rows for _ in range(num_generations)]
+            columns = {k: [row.get(k) for row in expanded] for k in expanded[0] if k not in ("prompt", "image", "images")}
+            prompts = [row["prompt"] for row in expanded]
+            scores = {_name(func): list(func(prompts=prompts, completions=completions, **columns)) for func in funcs}
+            yield completions, scores
+    finally:
+        torch.random.set_rng_state(generator_state)
+        if was_training:
+            FastBaseVisionModel.for_training(model)
 
 
 def _generate(model, processor, rows, num_generations, max_new_tokens, temperature, device) -> list[str]:

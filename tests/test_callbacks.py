@@ -1,0 +1,95 @@
+"""Callbacks on a real (tiny) GRPO run: sample completions read from TRL's buffers, the metrics JSONL, the live
+plot's text fallback and its PNG."""
+
+import io
+import json
+
+import pytest
+from datasets import Dataset, Features, List, Value
+from datasets import Image as ImageFeature
+from PIL import Image
+
+from vlm_grpo import FastVisionModel, VLMGRPOConfig, VLMGRPOTrainer
+from vlm_grpo.callbacks import LivePlotCallback, MetricsJsonlCallback, completion_samples, in_notebook
+from vlm_grpo.data import answer_words
+from vlm_grpo.rewards import make_choice_reward, think_answer_format
+
+COLOURS = ["red", "green", "blue", "yellow"]
+
+
+def _dataset() -> Dataset:
+    """Two prompts with different questions, so samples show which group they came from."""
+    rows = {
+        "prompt": [[{"role": "user", "content": f"What colour is shape {i}?"}] for i in range(2)],
+        "image": [Image.new("RGB", (28, 28), (200, 30, 30)), Image.new("RGB", (28, 28), (30, 30, 200))],
+        "answer": ["red", "blue"],
+    }
+    features = Features({"prompt": List({"role": Value("string"), "content": Value("string")}), "image": ImageFeature(),
+                         "answer": Value("string")})  # fmt: skip
+    return Dataset.from_dict(rows, features=features)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_dir, tmp_path_factory):
+    """One logged GRPO step (2 prompts x 2 samples) with both callbacks attached."""
+    out = tmp_path_factory.mktemp("callbacks")
+    model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl", words=answer_words("color", 1)), full_finetuning=True)
+    config = VLMGRPOConfig(output_dir=str(out), max_steps=1, per_device_train_batch_size=4, num_generations=2,
+                           max_completion_length=4, logging_steps=1, report_to="none", save_strategy="no",
+                           use_cpu=True, dataloader_pin_memory=False, disable_tqdm=True, seed=0)  # fmt: skip
+    plot = LivePlotCallback(title="test", notebook=False)
+    rewards = [make_choice_reward(COLOURS), think_answer_format]
+    trainer = VLMGRPOTrainer(model=model, reward_funcs=rewards, args=config, train_dataset=_dataset(),
+                             processing_class=processor, callbacks=[plot])  # fmt: skip
+    trainer.add_callback(MetricsJsonlCallback(out / "metrics.jsonl", trainer=trainer, num_samples=3))
+    trainer.train()
+    return trainer, plot, out
+
+
+@pytest.mark.trains
+def test_completion_samples_take_one_completion_per_prompt_first(trained):
+    trainer, _, _ = trained
+    samples = completion_samples(trainer, num_samples=4)
+    prompts = [s["prompt"] for s in samples]
+    # Rows in TRL's buffer are grouped per prompt (2 samples each): the first two samples are two prompts.
+    assert sorted(prompts[:2]) == ["What colour is shape 0?", "What colour is shape 1?"] and prompts[2:] == prompts[:2]
+    for sample in samples:
+        assert set(sample["rewards"]) == {"choice_accuracy", "think_answer_format"}
+        assert sample["rewards"]["choice_accuracy"] in (0.0, 1.0)
+        assert isinstance(sample["completion"], str) and isinstance(sample["advantage"], float)
+        assert "choice_accuracy_pred" in sample  # the reward's own parse, logged with TRL's log_extra
+    assert len(completion_samples(trainer, num_samples=2)) == 2 and len(completion_samples(trainer, 10)) == 4
+
+
+@pytest.mark.trains
+def test_metrics_jsonl_writes_records_with_samples_and_no_nan(trained):
+    _, _, out = trained
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in records if "reward" in r)
+    assert step["step"] == 1 and len(step["samples"]) == 3
+    assert "samples" not in records[-1] and "train_runtime" in records[-1]  # the end-of-training summary
+    assert "NaN" not in (out / "metrics.jsonl").read_text()
+
+
+@pytest.mark.trains
+def test_live_plot_records_every_reward_curve_and_draws_a_png(trained):
+    _, plot, _ = trained
+    assert not in_notebook()
+    assert set(plot.history) == {"mean reward", "choice_accuracy", "think_answer_format"}
+    assert [step for step, _ in plot.history["mean reward"]] == [1]
+    plot.add_reference("held-out accuracy before", 0.25)
+    image = Image.open(io.BytesIO(plot.figure_png()))
+    assert image.format == "PNG" and image.size == (640, 360)
+
+
+def test_live_plot_text_fallback_line(capsys):
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    plot = LivePlotCallback(notebook=False)
+    state = TrainerState(global_step=10, max_steps=400)
+    logs = {"loss": 0.1, "rewards/choice_accuracy/mean": 0.5, "rewards/choice_accuracy/std": 0.2, "reward": 0.5,
+            "rewards/think_answer_format/mean": float("nan")}  # fmt: skip
+    plot.on_log(TrainingArguments(output_dir="unused", report_to="none"), state, TrainerControl(), logs=logs)
+    plot.on_log(TrainingArguments(output_dir="unused", report_to="none"), state, TrainerControl(), logs={"train_runtime": 1.0})
+    assert capsys.readouterr().out == "step 10/400  choice_accuracy 0.500  mean reward 0.500\n"
+    assert plot.history == {"choice_accuracy": [(10, 0.5)], "mean reward": [(10, 0.5)]}  # NaN is not plotted

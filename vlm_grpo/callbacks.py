@@ -1,0 +1,179 @@
+"""Trainer callbacks for watching a GRPO run.
+
+- `MetricsJsonlCallback`: every log record as one JSON line, with a few sampled prompts, completions and their
+  rewards at each logging step (read from the buffer TRL fills for its `log_completions` tables).
+- `LivePlotCallback`: the mean reward and each reward function's mean (accuracy, format...) redrawn as one plot
+  in Jupyter at every logging step; one text line per logging step elsewhere.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+from typing import Any
+
+from transformers import TrainerCallback
+
+__all__ = ["LivePlotCallback", "MetricsJsonlCallback", "completion_samples", "in_notebook"]
+
+
+def in_notebook() -> bool:
+    """True inside a Jupyter kernel (where rich output such as images can be displayed), False in a terminal."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN: an unscorable reward is written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _prompt_text(prompt: Any) -> str:
+    """The question of a prompt: the string, or the text of its last user message (images left out)."""
+    if isinstance(prompt, str):
+        return prompt
+    users = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"] or list(prompt)
+    content = users[-1].get("content") if users else ""
+    if isinstance(content, str):
+        return content
+    return " ".join(part.get("text") or "" for part in content or [] if part.get("type") == "text").strip()
+
+
+def completion_samples(trainer: Any, num_samples: int = 4) -> list[dict[str, Any]]:
+    """Up to `num_samples` rows of the latest generation batch: prompt text, completion text, each reward and the
+    advantage (plus columns that rewards log with `log_extra`, e.g. the parsed prediction).
+
+    Read from `trainer._logs`, which `trl.GRPOTrainer` fills at every step for its `log_completions` tables. Rows are
+    taken one per prompt group first (then the second completion of each group...), so a few samples show several
+    images rather than one prompt's group.
+    """
+    from .rewards import completion_text
+
+    logs = trainer._logs
+    prompts, completions = list(logs["prompt"]), list(logs["completion"])
+    group = max(int(getattr(trainer, "num_generations", 1) or 1), 1)
+    order = sorted(range(len(prompts)), key=lambda i: (i % group, i // group))[: max(num_samples, 0)]
+    rewards = {name: list(values) for name, values in logs["rewards"].items()}
+    extra = {name: list(values) for name, values in logs["extra"].items()}
+    advantages = list(logs["advantages"])
+    samples = []
+    for i in order:
+        sample = {"prompt": _prompt_text(prompts[i]), "completion": completion_text(completions[i])}
+        sample["rewards"] = {name: _finite(values[i]) for name, values in rewards.items() if i < len(values)}
+        if i < len(advantages):
+            sample["advantage"] = _finite(advantages[i])
+        sample.update({name: values[i] for name, values in extra.items() if i < len(values)})
+        samples.append(sample)
+    return samples
+
+
+class MetricsJsonlCallback(TrainerCallback):
+    """Write each log record as one JSON line to `path` (flushed per line, so a crash keeps what was logged).
+
+    Training records (those with a `reward`) also get `samples`: `num_samples` prompts with their completions and
+    rewards (`completion_samples`), when the callback is given the trainer. TRL's own `log_completions=True` sends
+    the same rows to wandb / trackio tables and `output_dir/completions/*.parquet`.
+    """
+
+    def __init__(self, path: str | os.PathLike, trainer: Any = None, num_samples: int = 4) -> None:
+        self.path = os.fspath(path)
+        self.trainer = trainer
+        self.num_samples = num_samples
+        open(self.path, "w").close()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        """Append one JSON line per log record (main process only)."""
+        if not logs or not state.is_world_process_zero:
+            return
+        record = {"step": state.global_step, **{k: _finite(v) for k, v in logs.items()}}
+        if self.trainer is not None and self.num_samples and "reward" in logs:
+            record["samples"] = completion_samples(self.trainer, self.num_samples)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _curve_label(key: str) -> str | None:
+    """The plotted name of a log key: `reward`, or a reward function's name for `rewards/<name>/mean`."""
+    if key == "reward":
+        return "mean reward"
+    if key.startswith("rewards/") and key.endswith("/mean"):
+        return key[len("rewards/") : -len("/mean")]
+    return None
+
+
+class LivePlotCallback(TrainerCallback):
+    """A reward / accuracy plot redrawn at every logging step: in Jupyter one image updated in place, elsewhere
+    one text line per logging step.
+
+    Curves: the mean (weighted) reward and each reward function's mean, e.g. `choice_accuracy` or
+    `think_answer_format`. `add_reference(label, value)` draws a horizontal line such as the held-out accuracy
+    before training. `figure_png()` gives the current plot as PNG bytes (e.g. to save it from a script).
+    """
+
+    def __init__(self, title: str = "GRPO training", notebook: bool | None = None) -> None:
+        self.title = title
+        self.notebook = in_notebook() if notebook is None else notebook
+        self.history: dict[str, list[tuple[int, float]]] = {}
+        self.references: dict[str, float] = {}
+        self._handle: Any = None
+
+    def add_reference(self, label: str, value: float) -> None:
+        """A dashed horizontal line (e.g. `"held-out accuracy before", 0.25`), shown from the next redraw."""
+        self.references[label] = float(value)
+        if self._handle is not None:
+            self._redraw()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        """Record the reward curves of a training log record and redraw (or print them)."""
+        if not logs or "reward" not in logs or not state.is_world_process_zero:
+            return
+        shown = []
+        for key, value in logs.items():
+            label = _curve_label(key)
+            if label is not None and value is not None and math.isfinite(value):
+                self.history.setdefault(label, []).append((state.global_step, float(value)))
+                shown.append(f"{label} {value:.3f}")
+        if self.notebook:
+            self._redraw()
+        else:
+            print(f"step {state.global_step}/{state.max_steps}  " + "  ".join(shown), flush=True)
+
+    def figure_png(self, dpi: int = 100) -> bytes:
+        """The current plot as PNG bytes (matplotlib's Agg canvas: no GUI backend or pyplot state involved)."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(6.4, 3.6))
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        for label, points in self.history.items():
+            steps, values = zip(*points) if points else ((), ())
+            ax.plot(steps, values, marker="." if len(points) < 50 else None, label=label)
+        for i, (label, value) in enumerate(self.references.items()):
+            ax.axhline(value, linestyle="--", color=f"C{len(self.history) + i}", label=f"{label} ({value:.2f})")
+        ax.set_xlabel("step")
+        ax.set_ylabel("reward / accuracy")
+        ax.set_title(self.title, fontsize=10)
+        if self.history or self.references:
+            ax.legend(loc="lower right", fontsize=8)
+        fig.tight_layout()
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=dpi)
+        return buffer.getvalue()
+
+    def _redraw(self) -> None:
+        from IPython.display import Image, display
+
+        image = Image(data=self.figure_png(), format="png")
+        if self._handle is None:
+            self._handle = display(image, display_id=True)
+        else:
+            self._handle.update(image)
