@@ -28,10 +28,10 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
 
+from .fast_generation import FastGenerator, FastPathUnavailable
 from .hooks import enable_requires_grad_hooks
 from .image_sizes import add_image_sizes
 from .integrations.unsloth import maybe_patch_for_model
-from .fast_generation import FastGenerator, FastPathUnavailable
 from .model import FastBaseVisionModel, is_checkpointing
 from .processor import load_processor
 from .reward_checks import checked_reward_func
