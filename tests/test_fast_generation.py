@@ -131,6 +131,7 @@ def test_merged_lora_generates_like_the_adapter_and_restores_weights_bit_exactly
     assert all(torch.equal(after[n], w) for n, w in before.items())
 
 
+@pytest.mark.trains
 def test_training_uses_the_fast_path_and_the_switch_turns_it_off(tiny_dir, tmp_path):
     trainer = _trainer(tiny_dir, tmp_path)
     trainer.args.max_steps = 2
@@ -143,6 +144,7 @@ def test_training_uses_the_fast_path_and_the_switch_turns_it_off(tiny_dir, tmp_p
     assert plain.fast_generator.stats["calls"] == 0
 
 
+@pytest.mark.trains
 @pytest.mark.parametrize(
     "family, settings, reason",
     [
