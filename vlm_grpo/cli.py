@@ -179,7 +179,14 @@ def _short_help(parser: Any) -> str:
 
 def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, Any]:
     """Command-line flags (and `--config` YAML) -> `(ScriptArguments, VLMGRPOConfig)`. Bad values raise `UsageError`."""
+    import torch
+
     parser = _build_parser()
+    if not torch.cuda.is_available():
+        # Set before the config exists: it sets up the process group when built, so under `accelerate launch` a
+        # later `use_cpu = True` would leave a gloo group that the trainer does not use (each rank training alone).
+        # Pinned memory needs an accelerator; torch warns on every epoch.
+        parser.set_defaults(use_cpu=True, dataloader_pin_memory=False)
     try:
         with warnings.catch_warnings():
             # TRL's and our config defaults still set `gradient_checkpointing*`, renamed `activation_checkpointing*`
@@ -407,7 +414,12 @@ def _load(script: ScriptArguments, config: Any) -> tuple[Any, Any]:
     if path.startswith(TINY_PREFIX):
         # The tiny tokenizer knows the synthetic task's answer words; on your own data it has its base vocabulary.
         words = answer_words(script.task, script.difficulty) if script.dataset is None else None
-        path = build_tiny_vlm(path[len(TINY_PREFIX) :], os.path.join(config.output_dir, "tiny-base"), seed=config.seed, words=words)
+        family, path = path[len(TINY_PREFIX) :], os.path.join(config.output_dir, "tiny-base")
+        # Under `accelerate launch` only global rank 0 may write it (transformers' save_pretrained writes on rank 0
+        # only); the other ranks load it once it is complete. Several machines need a shared output_dir for this.
+        with config.main_process_first(local=False, desc="building the tiny model"):
+            if config.process_index == 0:
+                build_tiny_vlm(family, path, seed=config.seed, words=words)
     model, processor = FastBaseVisionModel.from_pretrained(
         path,
         load_in_4bit=script.load_in_4bit,
@@ -437,14 +449,13 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
 
     from .evaluation import evaluate
     from .export import atomic_directory
+    from .sharded import full_weights
     from .trainer import VLMGRPOTrainer
 
     _check(script, config)
     train, test, reward_funcs, data_name = (_own_data if script.dataset else _synthetic_data)(script, config)
     if not torch.cuda.is_available():
         torch.set_num_threads(script.torch_threads)
-        config.use_cpu = True
-        config.dataloader_pin_memory = False  # pinned memory needs an accelerator; torch warns on every epoch
     os.makedirs(config.output_dir, exist_ok=True)
 
     model, processor = _load(script, config)
@@ -472,12 +483,19 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
 
     results: dict[str, float] = {}
     if test is not None:
-        after = evaluate(trainer.model, processor, test, eval_funcs, **score)
+        with full_weights(trainer.model_wrapped):  # a sharded model gathered once, not per layer per token
+            after = evaluate(trainer.model, processor, test, eval_funcs, **score)
         print(f"held-out accuracy after training:  {after['accuracy']:.3f}", flush=True)
         results = {f"before/{k}": v for k, v in before.items()} | {f"after/{k}": v for k, v in after.items()}
-    with atomic_directory(os.path.join(config.output_dir, "final")) as tmp:
+    final = os.path.join(config.output_dir, "final")
+    if not trainer.accelerator.is_main_process:  # other ranks join save_model's gather of sharded weights only
+        trainer.save_model(final)
+        trainer.accelerator.wait_for_everyone()
+        return results
+    with atomic_directory(final) as tmp:
         trainer.save_model(tmp)
         processor.save_pretrained(tmp)
+    trainer.accelerator.wait_for_everyone()
     tmp_json = os.path.join(config.output_dir, "eval.json.tmp")
     with open(tmp_json, "w") as f:
         json.dump(results, f, indent=2)

@@ -372,14 +372,24 @@ class FastBaseVisionModel:
     ) -> str:
         """Write a standalone 16-bit checkpoint with the LoRA weights merged in; return its path.
 
-        Works for 16/32-bit and bitsandbytes 4/8-bit bases (dequantised first). The model itself is left
+        Works for 16/32-bit and bitsandbytes 4/8-bit bases (dequantised first), and for FSDP2 / ZeRO-3
+        sharded models (call it on every rank; rank 0 writes). The model itself is left
         untouched (adapters stay, training can go on). The directory is written to a temporary sibling
         and renamed into place, so an interrupted save never leaves a half-written checkpoint.
         """
         from .export import merged_state_dict, write_checkpoint
+        from .sharded import full_weights, is_main_process
 
-        state_dict = merged_state_dict(model, dtype)
-        return write_checkpoint(model, processor, state_dict, save_directory, dtype)
+        # A sharded (FSDP2 / ZeRO-3) model is gathered on every rank (a collective: call this on all ranks);
+        # rank 0 merges and writes, the others wait for the directory to be in place.
+        # Written inside the block: a CPU state dict of gathered weights may share their memory, freed on exit.
+        path = os.path.abspath(os.fspath(save_directory))
+        with full_weights(model):
+            if is_main_process():
+                path = write_checkpoint(model, processor, merged_state_dict(model, dtype), save_directory, dtype)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        return path
 
 
 FastVisionModel = FastBaseVisionModel

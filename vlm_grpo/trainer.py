@@ -13,6 +13,7 @@ overrides only these hooks:
 - `_generate_single_turn`: the model switched to inference mode for generation and back after; completions
   from `vlm_grpo.fast_generation` (one prefill per prompt group, compiled decode) unless TRL's vLLM path or a
   setting it cannot serve is in use (then TRL's `model.generate`, with a one-time log line naming why).
+- `save_model`: also writes the model under FSDP with sharded checkpoints (transformers writes nothing there).
 - `_get_per_token_logps_and_entropies`: each group's prompt and images computed once (`vlm_grpo.shared_prefix`),
   same log-probs and gradients; TRL's per-row forward for what it cannot serve (a one-time log line naming why).
 Everything else (losses, GSPO, vLLM, logging, checkpointing) is TRL's own.
@@ -20,6 +21,7 @@ Everything else (losses, GSPO, vLLM, logging, checkpointing) is TRL's own.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +38,7 @@ from .model import FastBaseVisionModel, is_checkpointing
 from .processor import load_processor
 from .reward_checks import checked_reward_func
 from .rows import check_dataset, prepare_row, rows_for_rewards
+from .sharded import full_weights
 from .shared_prefix import SharedPrefixUnsupported, shared_prefix_logps
 
 __all__ = ["VLMGRPOConfig", "VLMGRPOTrainer"]
@@ -92,8 +95,9 @@ class VLMGRPOConfig(GRPOConfig):
     )  # fmt: skip
     fast_generation_compile: bool | None = field(
         default=None,
-        metadata={"help": "Compile the decode step into a CUDA graph (paid once per run). None: on CUDA, off on CPU."},
-    )
+        metadata={"help": "Compile the decode step into a CUDA graph (paid once per run). None: on CUDA, off on CPU "
+                  "and for sharded (FSDP2 / ZeRO-3) models, whose weights are gathered afresh for every generation."},
+    )  # fmt: skip
     fast_generation_merge_lora: bool = field(
         default=True,
         metadata={"help": "Merge LoRA into the 16-bit base weights while generating (restored bit-exactly after; costs "
@@ -148,6 +152,16 @@ def _model_init_kwargs(args: GRPOConfig, quantization_config: Any = None) -> dic
         init_kwargs["quantization_config"] = quantization_config
     init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
     return init_kwargs
+
+
+def _compile_default(args: Any, sharded: bool) -> bool | None:
+    """`fast_generation_compile`, with None resolved to off for sharded models.
+
+    Their weights are gathered into fresh memory for every generation, so a CUDA graph recorded on one step's
+    addresses would be re-recorded (recompiled) at every step; eager decoding is faster there.
+    """
+    compile = getattr(args, "fast_generation_compile", None)
+    return False if compile is None and sharded else compile
 
 
 def _refuse_frozen_model(model: Any) -> None:
@@ -254,7 +268,7 @@ class VLMGRPOTrainer(GRPOTrainer):
             enable_requires_grad_hooks(unwrapped)
         maybe_patch_for_model(unwrapped)  # no-op unless the model came from Unsloth
         self.fast_generator = FastGenerator(
-            compile=getattr(args, "fast_generation_compile", None),
+            compile=_compile_default(args, sharded=self.is_fsdp_enabled or self._is_zero3),
             merge_lora=getattr(args, "fast_generation_merge_lora", True),
         )
         self._fast_generation_fallbacks: set[str] = set()
@@ -263,6 +277,20 @@ class VLMGRPOTrainer(GRPOTrainer):
         """`Trainer.train`, after checking this TRL can compute GRPO log-probs on this device."""
         _check_trl_device_support(self.accelerator.device)
         return super().train(*args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """`Trainer.save_model`, which also writes the model under FSDP with sharded checkpoints.
+
+        transformers writes nothing there (its checkpoints hold the shards), so a run's final `save_model` would
+        leave an empty directory. Outside checkpointing the weights (the adapter, for LoRA) are gathered and written
+        as plain files. A collective: call it on every rank, as with any sharded model.
+        """
+        plugin = self.accelerator.state.fsdp_plugin if self.is_fsdp_enabled else None
+        if plugin is None or _internal_call or "FULL_STATE_DICT" in str(plugin.state_dict_type):
+            return super().save_model(output_dir, _internal_call)
+        self._save(output_dir or self.args.output_dir, state_dict=self.accelerator.get_state_dict(self.model))
+        if self.args.push_to_hub:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         raw_inputs = inputs
@@ -315,14 +343,21 @@ class VLMGRPOTrainer(GRPOTrainer):
             return self._model_checkpointing
         return "reentrant" if (self.args.gradient_checkpointing_kwargs or {}).get("use_reentrant") else True
 
+    @property
+    def _is_zero3(self) -> bool:
+        plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
+        return plugin is not None and plugin.zero_stage == 3
+
     def _fast_generation_blocker(self, has_tool_images: bool) -> str | None:
         """Why this trainer generates on TRL's plain path (None: the fast path can serve it)."""
         if self.use_vllm or getattr(self, "use_transformers_continuous_batching", False):
             return "generation runs in vLLM / transformers continuous batching"
         if getattr(self, "tools", None) or has_tool_images or getattr(self, "environment_factories", None) is not None:
             return "tool-calling rollouts re-enter generation with tool results"
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            return "sharded (DeepSpeed / FSDP) models generate on TRL's path, which gathers their weights"
+        if self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2:
+            return "FSDP1 models are not gathered for fast generation; use FSDP2 (fsdp_version: 2)"
+        if self._is_zero3 and not self.args.ds3_gather_for_generation:
+            return "ds3_gather_for_generation=False: ZeRO-3 weights stay sharded while generating"
         return self.fast_generator.unsupported_reason(self.accelerator.unwrap_model(self.model))
 
     def _fast_generate(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -331,9 +366,15 @@ class VLMGRPOTrainer(GRPOTrainer):
             return None
         reason = self._fast_generation_blocker(has_tool_images)
         if reason is None:
-            with unwrap_model_for_generation(
-                self.model_wrapped, self.accelerator, generation_kwargs=self.generation_kwargs
-            ) as model:
+            # TRL's context unwraps DDP / DeepSpeed and gathers ZeRO-3 weights; FSDP2 units are unsharded here, once
+            # for the whole rollout rather than per layer per token.
+            fsdp2 = self.is_fsdp_enabled
+            with (
+                unwrap_model_for_generation(
+                    self.model_wrapped, self.accelerator, generation_kwargs=self.generation_kwargs
+                ) as model,
+                full_weights(self.model_wrapped) if fsdp2 else contextlib.nullcontext(),
+            ):
                 try:
                     completion_ids = self.fast_generator.generate(
                         model, prompt_ids, images, multimodal_fields, self.generation_config, self._tokenizer.pad_token_id

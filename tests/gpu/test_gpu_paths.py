@@ -124,9 +124,9 @@ def test_4bit_keeps_vision_unquantised_trains_and_exports_16bit(checkpoint, tmp_
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_ddp_two_gpus_runs_the_demo_with_identical_weights(tmp_path):
-    script = os.path.join(ROOT, "tests", "scripts", "train_distributed.py")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--mixed_precision", "no", "--dynamo_backend", "no", script, str(tmp_path), "qwen2_5_vl", "5"]  # fmt: skip
+    script = os.path.join(ROOT, "benchmarks", "distributed_train.py")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           os.path.join(ROOT, "examples", "accelerate", "ddp.yaml"), script, str(tmp_path), "--steps", "5"]  # fmt: skip
     pythonpath = os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": pythonpath})
     assert result.returncode == 0, result.stderr[-4000:]

@@ -1,0 +1,205 @@
+"""A short GRPO run under `accelerate launch` with any config (DDP, FSDP2, ZeRO); each rank reports what it saw.
+
+    accelerate launch --config_file examples/accelerate/fsdp2.yaml benchmarks/distributed_train.py OUT \
+        --model qwen2.5-vl-3b --steps 5 --save_steps 3
+
+Writes OUT/rank{R}.json: distributed type, steps, losses, KL, step time, peak GPU memory, how many `lora_B`
+matrices (vision / language) moved off their zero init, a checksum of the gathered weights (equal on every
+rank when the replicas / shards agree) and which fast paths served the run. `--resume` continues from the
+given checkpoint; `--export` writes a merged checkpoint from the (sharded) model and checks its
+logits against the adapter model's on rank 0.
+
+`--model` is a tiny family (`qwen2_5_vl`, built in code: the CPU tests) or a real architecture with random
+weights (`qwen2.5-vl-3b`, `qwen2.5-vl-7b`, from benchmarks/real_arch.py: the GPU runs).
+
+On CPU, accelerate refuses FSDP (it only enables it for accelerator device types), so with no GPU this script
+relabels the gloo process group's MULTI_CPU as MULTI_GPU before anything reads it: everything after that, the
+sharding (`fully_shard` per decoder layer and vision block), checkpoints and the trainer, is the real code path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def _allow_fsdp_on_cpu() -> None:
+    import accelerate.state
+    from accelerate.utils import DistributedType
+
+    init = accelerate.state.PartialState.__init__
+
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.MULTI_GPU
+
+    accelerate.state.PartialState.__init__ = patched
+
+
+def _varied_reward(prompts, completions, **kwargs) -> list[float]:
+    """Differs between completions of a prompt, so every group has an advantage and every step a gradient."""
+    return [float(len(str(c)) % 5) for c in completions]
+
+
+def _model_and_data(name: str, out_dir: str, rank: int, image_size: int, full: bool, seed: int, dtype: torch.dtype):
+    import numpy as np
+    from datasets import Dataset
+    from PIL import Image
+
+    from vlm_grpo.model import FastVisionModel
+
+    if name in ("qwen2.5-vl-3b", "qwen2.5-vl-7b"):
+        from real_arch import build_checkpoint
+
+        path = os.path.join(os.environ.get("VLM_GRPO_BENCH_DIR", "/tmp/vlm-grpo-bench"), name)
+        if rank == 0:
+            build_checkpoint(name, path, seed=seed)  # written to a temporary name, renamed when complete
+        while not os.path.exists(os.path.join(path, "config.json")):
+            time.sleep(1)
+    else:
+        from vlm_grpo.tiny import build_tiny_vlm
+
+        # Every rank builds the same seeded model in its own directory: no file races, identical weights.
+        path = build_tiny_vlm(name, os.path.join(out_dir, f"model-rank{rank}"), seed=seed)
+    model, processor = FastVisionModel.from_pretrained(path, full_finetuning=full, dtype=dtype)
+    rng = np.random.default_rng(seed)
+    rows = [{"prompt": [{"role": "user", "content": "What colour is the shape ?"}],
+             "image": Image.fromarray(rng.integers(0, 256, (image_size, image_size, 3), dtype=np.uint8))}
+            for _ in range(64)]  # fmt: skip
+    return model, processor, Dataset.from_list(rows), path
+
+
+def _lora_b_moved(model) -> dict[str, int]:
+    from vlm_grpo.hooks import VISION_TOWER_NAMES
+
+    counts = {"vision_total": 0, "vision_moved": 0, "language_total": 0, "language_moved": 0}
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            side = "vision" if any(f".{v}." in name for v in VISION_TOWER_NAMES) else "language"
+            counts[f"{side}_total"] += 1
+            counts[f"{side}_moved"] += int(bool(param.detach().abs().sum() > 0))
+    return counts
+
+
+def _check_export(trainer, processor, out_dir: str, full_weights) -> dict[str, float]:
+    """Merged export from the sharded model; rank 0 compares the reloaded checkpoint's logits with the adapter's."""
+    from transformers import AutoModelForImageTextToText
+
+    from vlm_grpo.model import FastVisionModel
+
+    dtype = torch.float32 if not torch.cuda.is_available() else torch.bfloat16
+    path = FastVisionModel.save_pretrained_merged(trainer.model, processor, os.path.join(out_dir, "merged"), dtype=dtype)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    inputs = processor(text=["What colour is the shape ?"], return_tensors="pt").to(trainer.accelerator.device)
+    result: dict[str, float] = {}
+    with full_weights(trainer.model), torch.no_grad():  # every rank takes part in the gather
+        peft_logits = model(**inputs).logits.float()
+        with model.disable_adapter():
+            base_logits = model(**inputs).logits.float()
+    if trainer.accelerator.is_main_process:
+        merged = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(trainer.accelerator.device)
+        with torch.no_grad():
+            merged_logits = merged(**inputs).logits.float()
+        result = {"merged_gap": float((merged_logits - peft_logits).abs().mean()),
+                  "adapter_effect": float((base_logits - peft_logits).abs().mean())}  # fmt: skip
+    trainer.accelerator.wait_for_everyone()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--model", default="qwen2_5_vl")
+    parser.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA (vision + language)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--save_steps", type=int, default=0, help="0: no checkpoints")
+    parser.add_argument("--resume", default=None, help="checkpoint directory to continue from")
+    parser.add_argument("--export", action="store_true", help="merged export from the sharded model, checked")
+    parser.add_argument("--batch", type=int, default=8, help="per-device batch (rows)")
+    parser.add_argument("--generations", type=int, default=4)
+    parser.add_argument("--max_completion_length", type=int, default=8)
+    parser.add_argument("--image_size", type=int, default=32)
+    parser.add_argument("--beta", type=float, default=0.04)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no_compile", action="store_true", help="eager fast generation (fast_generation_compile=False)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                        help="weights as loaded (default: bf16 on GPU, fp32 on CPU); bf16 compute either way on GPU")
+    args = parser.parse_args()
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+            _allow_fsdp_on_cpu()
+
+    from vlm_grpo.model import FastVisionModel
+    from vlm_grpo.sharded import full_weights, sharding
+    from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+
+    # The model is built before the config: once the config has set up the process group, transformers'
+    # save_pretrained writes on the main process only, and the other ranks' tiny checkpoints would lack weights.
+    rank = int(os.environ.get("RANK", "0"))
+    model, processor, dataset, path = _model_and_data(
+        args.model, args.out_dir, rank, args.image_size, args.full, args.seed,
+        getattr(torch, args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")),
+    )
+    config = VLMGRPOConfig(
+        output_dir=os.path.join(args.out_dir, "run"), per_device_train_batch_size=args.batch,
+        num_generations=args.generations, max_completion_length=args.max_completion_length,
+        generation_kwargs={"min_new_tokens": args.max_completion_length}, learning_rate=args.lr, beta=args.beta,
+        max_steps=args.steps, logging_steps=1, report_to="none", disable_tqdm=True, seed=args.seed,
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+        use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),
+        fast_generation_compile=False if args.no_compile else None,
+    )  # fmt: skip
+    if not args.full:
+        model = FastVisionModel.get_peft_model(model, r=16, lora_alpha=16, random_state=args.seed)
+    trainer = VLMGRPOTrainer(model, [_varied_reward], args=config, train_dataset=dataset, processing_class=processor)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    trainer.train(resume_from_checkpoint=args.resume)
+    wall = time.perf_counter() - start
+
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    losses = [h["loss"] for h in history]
+    step_times = [h["step_time"] for h in history if "step_time" in h]
+    record = {
+        "rank": rank, "world_size": trainer.accelerator.num_processes,
+        "distributed_type": str(trainer.accelerator.distributed_type), "sharding": sharding(trainer.model_wrapped),
+        "steps": trainer.state.global_step, "logged_steps": [h["step"] for h in history], "losses": losses,
+        "finite": bool(losses) and all(math.isfinite(x) for x in losses), "kl": [h.get("kl") for h in history],
+        "step_time_s": step_times, "train_wall_s": wall,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+        "fast_generation": trainer.fast_generator.stats, "fast_generation_fallbacks": sorted(trainer._fast_generation_fallbacks),
+        "shared_prefix_calls": trainer.shared_prefix_calls,
+        "shared_prefix_fallbacks": getattr(trainer, "shared_prefix_fallbacks", {}),
+    }  # fmt: skip
+    with full_weights(trainer.model_wrapped):  # every rank gathers; the same numbers on each when shards agree
+        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+        record["checksum"] = float(sum(p.detach().double().sum() for p in unwrapped.parameters()))
+        if not args.full:
+            record["lora_b"] = _lora_b_moved(unwrapped)
+    final = os.path.join(args.out_dir, "final")
+    trainer.save_model(final)  # what the CLI saves: gathered from the shards into plain files
+    record["final_files"] = sorted(os.listdir(final)) if trainer.accelerator.is_main_process else None
+    if args.export:
+        record["export"] = _check_export(trainer, processor, args.out_dir, full_weights)
+    with open(os.path.join(args.out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    print(json.dumps(record), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""DDP vs FSDP2 (vs ZeRO-3) on the GPUs of one host, plus a two-"machine" run: one invocation, one table.
+
+    python benchmarks/scale_out.py OUT --runs ddp-3b fsdp2-3b fsdp2-3b-resume two-machines
+    python benchmarks/scale_out.py OUT --runs fsdp2-7b-full ddp-7b-full
+
+Each run is `accelerate launch --config_file examples/accelerate/<config>.yaml benchmarks/distributed_train.py`
+(or the CLI, for the two-machine run) with the flags listed in RUNS; the per-rank reports land in OUT/<run>/ and
+the summary in OUT/scale_out.json. A run that fails is recorded with the tail of its error (an out-of-memory is
+a result here: it is the figure beside the FSDP2 run that fits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "benchmarks", "distributed_train.py")
+# 448x448 images (256 image tokens), 64 new tokens, G=4 completions of 8 rows per GPU: a short but real step.
+REAL = ["--image_size", "448", "--max_completion_length", "64", "--batch", "8", "--generations", "4"]
+RUNS = {
+    "ddp-3b": ("ddp", ["--model", "qwen2.5-vl-3b", "--steps", "5", "--no_compile", *REAL]),  # eager, as FSDP2 is
+    "fsdp2-3b": ("fsdp2", ["--model", "qwen2.5-vl-3b", "--steps", "5", "--save_steps", "3", "--export", *REAL]),
+    "fsdp2-3b-resume": ("fsdp2", ["--model", "qwen2.5-vl-3b", "--steps", "5", "--resume", "{out}/fsdp2-3b/run/checkpoint-3",
+                                  "--out_from", "fsdp2-3b", *REAL]),
+    "zero3-3b": ("zero3", ["--model", "qwen2.5-vl-3b", "--steps", "5", *REAL]),
+    # Full fine-tuning with fp32 master weights: 7.6 B x (4 weights + 4 grads + 8 Adam) bytes = 122 GB per replica
+    # before activations and the reference model, so DDP cannot hold it on one 141 GB GPU; FSDP2 halves it.
+    "fsdp2-7b-full": ("fsdp2", ["--model", "qwen2.5-vl-7b", "--full", "--dtype", "float32", "--steps", "3",
+                                "--lr", "1e-6", *REAL]),
+    "ddp-7b-full": ("ddp", ["--model", "qwen2.5-vl-7b", "--full", "--dtype", "float32", "--steps", "3",
+                            "--lr", "1e-6", "--no_compile", *REAL]),
+}
+
+
+def _launch(config: str, args: list[str], out: str, timeout: int, extra: list[str] = (), env=None) -> dict:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           os.path.join(ROOT, "examples", "accelerate", f"{config}.yaml"), *extra, TRAIN, out, *args]  # fmt: skip
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        rc, err = proc.returncode, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, err = "timeout", (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr)
+    result = {"rc": rc, "wall_s": round(time.perf_counter() - start, 1)}
+    ranks = [os.path.join(out, f) for f in sorted(os.listdir(out)) if f.startswith("rank")] if os.path.isdir(out) else []
+    result["ranks"] = [json.load(open(p)) for p in ranks]
+    if rc != 0:
+        lines = [x for x in err.splitlines() if "Error" in x or "out of memory" in x.lower()]
+        result["error"] = lines[-6:] or err.splitlines()[-20:]
+    return result
+
+
+def _two_machines(out: str, timeout: int) -> dict:
+    """Two accelerate "machines" (one GPU each) meeting on localhost: the multi-node launch path, 3 CLI steps."""
+    procs, start = [], time.perf_counter()
+    for rank in (0, 1):
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(rank)}
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               os.path.join(ROOT, "examples", "accelerate", "ddp.yaml"), "--num_machines", "2", "--machine_rank",
+               str(rank), "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", "29655",
+               "-m", "vlm_grpo.cli", "--output_dir", out, "--max_steps", "3", "--logging_steps", "1",
+               "--train_size", "32", "--test_size", "8"]  # fmt: skip
+        log = open(os.path.join(os.path.dirname(out), f"two-machines-rank{rank}.log"), "w")
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+    rcs = []
+    for proc, log in procs:
+        try:
+            rcs.append(proc.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rcs.append("timeout")
+        log.close()
+    metrics = os.path.join(out, "metrics.jsonl")
+    steps = [json.loads(x).get("step") for x in open(metrics)] if os.path.exists(metrics) else []
+    final = sorted(os.listdir(os.path.join(out, "final"))) if os.path.isdir(os.path.join(out, "final")) else []
+    return {"rc": rcs, "wall_s": round(time.perf_counter() - start, 1), "logged_steps": steps, "final": final}
+
+
+def _row(name: str, result: dict) -> str:
+    ranks = result.get("ranks") or []
+    if not ranks:
+        return f"| {name} | rc {result['rc']} | {' / '.join(result.get('error', []))[:300]} |"
+    r = ranks[0]
+    times = r["step_time_s"][1:] or r["step_time_s"]  # step 1 pays compilation / warm-up
+    peaks = ", ".join(f"{x['peak_gib']:.1f}" for x in ranks if x.get("peak_gib") is not None)
+    same = len({x["checksum"] for x in ranks}) == 1
+    lora = r.get("lora_b") or {}
+    return (f"| {name} | {r['sharding'] or 'ddp'} | {r['steps']} | {sum(times) / len(times):.2f} | {peaks} | "
+            f"{same} | {lora.get('vision_moved', '-')}/{lora.get('vision_total', '-')} + "
+            f"{lora.get('language_moved', '-')}/{lora.get('language_total', '-')} | {r['fast_generation']['calls']} | "
+            f"{r['shared_prefix_calls']} | {r.get('export') or ''} |")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--runs", nargs="+", default=["ddp-3b", "fsdp2-3b", "fsdp2-3b-resume", "two-machines"])
+    parser.add_argument("--timeout", type=int, default=240, help="seconds per run")
+    args = parser.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
+    summary_path = os.path.join(args.out_dir, "scale_out.json")
+    summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
+    for name in args.runs:
+        print(f"=== {name}", flush=True)
+        if name == "two-machines":
+            summary[name] = _two_machines(os.path.join(args.out_dir, name), args.timeout)
+        else:
+            config, flags = RUNS[name]
+            flags = [f.replace("{out}", args.out_dir) for f in flags]
+            out = os.path.join(args.out_dir, name)
+            if "--out_from" in flags:  # a resume runs in the directory of the run it continues
+                i = flags.index("--out_from")
+                out = os.path.join(args.out_dir, flags[i + 1])
+                flags = flags[:i] + flags[i + 2 :]
+                for f in os.listdir(out):
+                    if f.startswith("rank"):
+                        os.remove(os.path.join(out, f))
+            summary[name] = _launch(config, flags, out, args.timeout)
+        print(json.dumps(summary[name])[:3000], flush=True)
+        with open(summary_path + ".tmp", "w") as f:
+            json.dump(summary, f, indent=1)
+        os.replace(summary_path + ".tmp", summary_path)
+    print("| run | sharding | steps | s/step (2..) | peak GiB per GPU | same weights | lora_B moved (vision + language) "
+          "| fast gen calls | shared-prefix calls | export |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, result in summary.items():
+        if name != "two-machines":
+            print(_row(name, result))
+    if "two-machines" in summary:
+        print("two machines:", json.dumps(summary["two-machines"]))
+
+
+if __name__ == "__main__":
+    main()
