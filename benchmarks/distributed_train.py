@@ -186,6 +186,8 @@ def main() -> None:
         "shared_prefix_calls": trainer.shared_prefix_calls,
         "shared_prefix_fallbacks": getattr(trainer, "shared_prefix_fallbacks", {}),
     }  # fmt: skip
+    if record["sharding"] == "fsdp2":  # every gather for generation was given back: the weights are shards again
+        record["resharded"] = all(type(p).__name__ == "DTensor" for p in trainer.model_wrapped.parameters())
     with full_weights(trainer.model_wrapped):  # every rank gathers; the same numbers on each when shards agree
         unwrapped = trainer.accelerator.unwrap_model(trainer.model)
         record["checksum"] = float(sum(p.detach().double().sum() for p in unwrapped.parameters()))

@@ -45,6 +45,7 @@ def test_fsdp2_trains_vision_and_language_lora_resumes_and_exports(tmp_path):
     first = _records(out)
     for r in first:
         assert r["sharding"] == "fsdp2" and r["world_size"] == 2 and r["steps"] == 3 and r["finite"]
+        assert r["resharded"]  # the weights gathered for each rollout went back to shards
         assert all(kl > 0 for kl in r["kl"][1:])  # the adapter-disabled reference is computed under sharding
         # Gradients reach every adapter through the requires-grad hooks and checkpointing, vision tower included.
         assert r["lora_b"]["vision_moved"] == r["lora_b"]["vision_total"] > 0

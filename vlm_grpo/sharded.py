@@ -54,6 +54,14 @@ def unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
+def _param_groups(state) -> list:
+    groups = getattr(state, "_fsdp_param_groups", None)  # a list in recent torch, one optional group before
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return list(groups)
+
+
 @contextlib.contextmanager
 def _fsdp2_unsharded(units: list[nn.Module]) -> Iterator[None]:
     root = units[0]  # model.modules() is pre-order: the first unit is the outermost
@@ -61,8 +69,10 @@ def _fsdp2_unsharded(units: list[nn.Module]) -> Iterator[None]:
     saved = []
     for unit in units:
         state = unit._get_fsdp_state()
-        groups = list(state._fsdp_param_groups)
-        saved.append((state, state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in groups]))
+        groups = _param_groups(state)
+        # Private fields, read back as they were: set_reshard_after_forward has no getter.
+        auto = getattr(state, "_auto_reshard_after_forward", None)  # torch >= 2.8
+        saved.append((state, auto, [g.post_forward_mesh_info for g in groups]))
         unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
     try:
@@ -70,8 +80,9 @@ def _fsdp2_unsharded(units: list[nn.Module]) -> Iterator[None]:
     finally:
         for unit, (state, auto, infos) in zip(units, saved):
             unit.reshard()
-            state._auto_reshard_after_forward = auto
-            for group, info in zip(state._fsdp_param_groups, infos):
+            if auto is not None:
+                state._auto_reshard_after_forward = auto
+            for group, info in zip(_param_groups(state), infos):
                 group.post_forward_mesh_info = info
 
 
