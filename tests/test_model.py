@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
-from vlm_grpo.model import FastBaseVisionModel, FastVisionModel, select_lora_modules
+from vlm_grpo.model import FastBaseVisionModel, FastVisionModel, checkpointing_mode, select_lora_modules
 from vlm_grpo.tiny import TINY_FAMILIES
 
 LANG_ATTN = {f"model.language_model.layers.N.self_attn.{p}_proj" for p in "qkvo"}
@@ -125,12 +125,25 @@ def test_modes_switch_and_are_idempotent(tiny_dir):
     assert model.training and not checkpointing()
 
 
+@pytest.mark.parametrize("how", ["ours", "transformers"])
+def test_checkpointing_mode_is_read_from_the_model(tiny_dir, how):
+    model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    assert checkpointing_mode(model) is False
+    if how == "ours":
+        FastVisionModel.for_training(model, use_gradient_checkpointing="reentrant")
+    else:  # switched on outside FastVisionModel: the mode must still be known, not assumed
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert checkpointing_mode(model) == "reentrant"
+    FastVisionModel.for_training(model, use_gradient_checkpointing=True)
+    assert checkpointing_mode(model) is True
+
+
 def test_from_pretrained_defaults_and_pixel_budget(tiny_dir):
     model, processor = FastBaseVisionModel.from_pretrained(
         tiny_dir("qwen2_5_vl"), max_seq_length=512, min_pixels=28 * 28, max_pixels=56 * 56
     )
     assert model.dtype == torch.float32  # CPU default
-    assert model.max_seq_length == 512
+    assert not hasattr(model, "max_seq_length")  # accepted for Unsloth's signature, used for nothing, so not stored
     assert not any(p.requires_grad for p in model.parameters())  # frozen until get_peft_model
     size = processor.image_processor.size
     assert (size.shortest_edge, size.longest_edge) == (784, 3136)

@@ -402,6 +402,24 @@ def test_checkpointing_is_back_for_training_after_evaluation(tiny_dir, tmp_path)
     assert all(training), forwards  # every training step after an evaluation checkpoints, as configured
 
 
+def test_generation_restores_the_models_own_checkpointing_mode(tiny_dir, tmp_path):
+    # TRL's args leave checkpointing off, so after each generation the model gets back the mode it came with: here
+    # reentrant, switched on with transformers' own API rather than FastVisionModel's.
+    from vlm_grpo.model import checkpointing_mode
+
+    model, processor = _model(tiny_dir, peft=True, use_gradient_checkpointing=False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    dataset = make_visual_reasoning_dataset("color", 8, seed=0)
+    trainer = VLMGRPOTrainer(
+        model, [choice], args=_config(tmp_path, gradient_checkpointing=False), train_dataset=dataset,
+        processing_class=processor,
+    )  # fmt: skip
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    FastVisionModel.for_inference(unwrapped)
+    trainer._restore_training_mode(unwrapped, was_training=True)
+    assert checkpointing_mode(unwrapped) == "reentrant"
+
+
 @pytest.mark.trains
 def test_string_prompts_reach_rewards_as_strings(tiny_dir, tmp_path):
     # TRL's standard format: a reward written for strings must see strings, prompt and completion, as without images.

@@ -133,6 +133,20 @@ def is_checkpointing(model: nn.Module) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
+def checkpointing_mode(model: nn.Module) -> bool | str:
+    """The model's gradient checkpointing as `for_training` takes it: False (off), "reentrant", or True (non-reentrant).
+
+    Read from the model itself: transformers gives every checkpointed layer a `functools.partial` of
+    `torch.utils.checkpoint.checkpoint` holding the `use_reentrant` it was switched on with, so the answer is right
+    however checkpointing was switched on (`get_peft_model`, `for_training`, or transformers directly).
+    """
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) is True:
+            keywords = getattr(getattr(module, "_gradient_checkpointing_func", None), "keywords", None) or {}
+            return "reentrant" if keywords.get("use_reentrant") else True
+    return False
+
+
 def _checkpointing_off(model: nn.Module) -> None:
     if is_checkpointing(model):
         # transformers >= 5.2x calls it activation checkpointing; 5.17 (and PEFT wrappers) know the old name.
@@ -151,7 +165,6 @@ def _set_gradient_checkpointing(model: nn.Module, use_gradient_checkpointing: bo
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     enable_requires_grad_hooks(model)
-    object.__setattr__(model, "_vlm_grpo_gc", use_gradient_checkpointing)
 
 
 def _set_use_cache(model: nn.Module, value: bool) -> None:
@@ -176,7 +189,7 @@ class FastBaseVisionModel:
     @staticmethod
     def from_pretrained(
         model_name: str,
-        max_seq_length: int = 2048,
+        max_seq_length: int | None = None,
         dtype: torch.dtype | str | None = None,
         load_in_4bit: bool = False,
         load_in_8bit: bool = False,
@@ -193,7 +206,9 @@ class FastBaseVisionModel:
 
         Args:
             model_name: a Hub id (`Qwen/Qwen2.5-VL-3B-Instruct`) or a local checkpoint directory.
-            max_seq_length: longest prompt + completion you plan to train on (kept on the model).
+            max_seq_length: accepted for compatibility with Unsloth's `from_pretrained` and has no effect: a
+                transformers model has no fixed context to set. Bound lengths with `VLMGRPOConfig`'s
+                `max_completion_length` (and the pixel budget, which bounds the image tokens of a prompt).
             dtype: None picks bf16 on a GPU that supports it, else fp16 on GPU, else fp32 on CPU; "auto" keeps the
                 checkpoint's own dtype (transformers' meaning).
             load_in_4bit / load_in_8bit: bitsandbytes quantisation of the language model (NF4 with double
@@ -254,9 +269,7 @@ class FastBaseVisionModel:
         processor = load_processor(model_name, config.model_type, trust_remote_code=trust_remote_code, **hub_kwargs)
         _set_pixel_budget(processor, min_pixels, max_pixels)
 
-        object.__setattr__(model, "max_seq_length", max_seq_length)
         object.__setattr__(model, "_vlm_grpo_processor", processor)
-        object.__setattr__(model, "_vlm_grpo_gc", use_gradient_checkpointing)
         if full_finetuning:
             model.requires_grad_(True)
             FastBaseVisionModel.for_training(model, use_gradient_checkpointing)
@@ -338,9 +351,8 @@ class FastBaseVisionModel:
             use_rslora=use_rslora, modules_to_save=modules_to_save, task_type="CAUSAL_LM", **kwargs,
         )  # fmt: skip
         peft_model = get_peft_model(model, config)
-        for attr in ("max_seq_length", "_vlm_grpo_processor"):
-            if hasattr(model, attr):
-                object.__setattr__(peft_model, attr, getattr(model, attr))
+        if hasattr(model, "_vlm_grpo_processor"):
+            object.__setattr__(peft_model, "_vlm_grpo_processor", model._vlm_grpo_processor)
         FastBaseVisionModel.for_training(peft_model, use_gradient_checkpointing)
         return peft_model
 

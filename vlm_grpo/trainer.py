@@ -32,7 +32,7 @@ from .fast_generation import FastGenerator, FastPathUnavailable
 from .hooks import enable_requires_grad_hooks
 from .image_sizes import add_image_sizes
 from .integrations.unsloth import maybe_patch_for_model
-from .model import FastBaseVisionModel, is_checkpointing
+from .model import FastBaseVisionModel, checkpointing_mode, is_checkpointing
 from .processor import load_processor
 from .reward_checks import checked_reward_func
 from .rows import check_dataset, prepare_row, rows_for_rewards
@@ -245,8 +245,8 @@ class VLMGRPOTrainer(GRPOTrainer):
             **kwargs,
         )
         unwrapped = self.accelerator.unwrap_model(self.model)
-        # What training runs with when TRL's args leave checkpointing off: the model's own setting (FastVisionModel's).
-        self._model_checkpointing = getattr(unwrapped, "_vlm_grpo_gc", True) if is_checkpointing(unwrapped) else False
+        # What training runs with when TRL's args leave checkpointing off: the model's own setting, read from the model.
+        self._model_checkpointing = checkpointing_mode(unwrapped)
         if fresh_adapter and "ref" in getattr(unwrapped, "peft_config", {}):
             unwrapped.delete_adapter("ref")
             unwrapped.set_adapter("default")
