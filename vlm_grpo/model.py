@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from .hooks import VISION_TOWER_NAMES, enable_requires_grad_hooks
+from .images import check_pixel_budget
+from .pixel_budget import set_processor_pixel_budget
 from .processor import load_processor
 
 __all__ = ["FastBaseVisionModel", "FastVisionModel", "select_lora_modules"]
@@ -217,7 +219,11 @@ class FastBaseVisionModel:
             use_gradient_checkpointing: True / "unsloth" (non-reentrant), "reentrant", or False; applied by
                 `get_peft_model` (or here with `full_finetuning`).
             device_map: passed to transformers; None puts the model on the first GPU when there is one.
-            min_pixels / max_pixels: image pixel budget; images outside it are resized (aspect kept).
+            min_pixels / max_pixels: the image pixel budget of a processor that resizes by one (Qwen2/2.5/3-VL),
+                written into its `image_processor.size` as `AutoProcessor.from_pretrained(..., min_pixels=...,
+                max_pixels=...)` does; None keeps the checkpoint's value. Processors without a budget (Gemma 3,
+                Idefics3) raise ValueError rather than drop it: give those a budget with `VLMGRPOConfig(min_pixels=,
+                max_pixels=)` and `evaluate(...)`. See `vlm_grpo.pixel_budget`.
             attn_implementation: "eager", "sdpa", "flash_attention_2"...; None lets transformers choose.
             **kwargs: passed to `AutoModelForImageTextToText.from_pretrained` (e.g. `revision`, `token`).
         """
@@ -243,6 +249,7 @@ class FastBaseVisionModel:
                 "use LoRA (FastVisionModel.get_peft_model, or a `peft_config` for VLMGRPOTrainer)."
             )
         _gc_kwargs(use_gradient_checkpointing)  # validate early
+        check_pixel_budget(min_pixels, max_pixels)
         hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
 
         config = AutoConfig.from_pretrained(model_name, trust_remote_code=trust_remote_code, **hub_kwargs)
@@ -265,9 +272,10 @@ class FastBaseVisionModel:
             compute_dtype = _default_dtype() if dtype == "auto" else dtype
             load_kwargs["quantization_config"] = _bnb_config(config, load_in_4bit, compute_dtype)
 
-        model = AutoModelForImageTextToText.from_pretrained(model_name, **load_kwargs)
+        # The processor first: it is cheap, and a pixel budget it cannot keep is refused before GBs of weights load.
         processor = load_processor(model_name, config.model_type, trust_remote_code=trust_remote_code, **hub_kwargs)
-        _set_pixel_budget(processor, min_pixels, max_pixels)
+        set_processor_pixel_budget(processor, min_pixels, max_pixels)
+        model = AutoModelForImageTextToText.from_pretrained(model_name, **load_kwargs)
 
         object.__setattr__(model, "_vlm_grpo_processor", processor)
         if full_finetuning:
@@ -455,25 +463,3 @@ def _check_target_modules(model: nn.Module, target_modules: list[str] | str) -> 
             "such as 'q_proj', or leave target_modules=None and choose layers with the finetune_* flags."
         )
     return target_modules
-
-
-def _set_pixel_budget(processor: Any, min_pixels: int | None, max_pixels: int | None) -> None:
-    """Record the image pixel budget on the processor (and in Qwen's image processor, which resizes by it)."""
-    if min_pixels is not None and min_pixels <= 0 or max_pixels is not None and max_pixels <= 0:
-        raise ValueError(f"min_pixels and max_pixels must be positive, got {min_pixels} and {max_pixels}.")
-    if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
-        raise ValueError(f"min_pixels ({min_pixels}) is larger than max_pixels ({max_pixels}).")
-    image_processor = getattr(processor, "image_processor", None)
-    size = getattr(image_processor, "size", None)
-    # Qwen's image processors keep the pixel budget as size.shortest_edge (min) / size.longest_edge (max);
-    # `size` is a dict in older transformers and a SizeDict object in newer ones.
-    if isinstance(size, dict) and "shortest_edge" in size and "longest_edge" in size:
-        for key, value in (("shortest_edge", min_pixels), ("longest_edge", max_pixels)):
-            if value is not None:
-                size[key] = value
-    elif getattr(size, "shortest_edge", None) is not None and getattr(size, "longest_edge", None) is not None:
-        for key, value in (("shortest_edge", min_pixels), ("longest_edge", max_pixels)):
-            if value is not None:
-                setattr(size, key, value)
-    # The trainer resizes images to this budget before the processor, for every family.
-    processor._vlm_grpo_pixel_budget = (min_pixels, max_pixels)
