@@ -392,8 +392,9 @@ class FastBaseVisionModel:
     ) -> str:
         """Write a standalone 16-bit checkpoint with the LoRA weights merged in; return its path.
 
-        Works for 16/32-bit and bitsandbytes 4/8-bit bases (dequantised first). The model itself is left
-        untouched (adapters stay, training can go on). The directory is written to a temporary sibling
+        Works for 16/32-bit and bitsandbytes 4/8-bit bases (dequantised first). Written by transformers'
+        `save_pretrained` (its checkpoint format, shards, config) with the processor alongside. The model itself
+        is left untouched (adapters stay, training can go on). The directory is written to a temporary sibling
         and renamed into place, so an interrupted save never leaves a half-written checkpoint.
         """
         from .export import merged_state_dict, write_checkpoint
