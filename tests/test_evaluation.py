@@ -47,6 +47,23 @@ def test_evaluate_scores_generations_with_the_rewards(tiny_dir):
     assert not model.training  # was in eval mode before, stays there
 
 
+def test_evaluate_budget_holds_for_the_call_only(tiny_dir):
+    from vlm_grpo.pixel_budget import processor_pixel_budget
+
+    model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    before = processor_pixel_budget(processor)
+    fed = []
+
+    def record(prompts, completions, fed_image_size, **kwargs):
+        fed.extend(fed_image_size)
+        return [0.0] * len(completions)
+
+    dataset = make_visual_reasoning_dataset("color", 2)
+    evaluate(model, processor, dataset, [record], max_new_tokens=1, max_pixels=28 * 28)
+    assert fed == [(28, 28)] * 2  # the 56x56 images were fed at the call's budget
+    assert processor_pixel_budget(processor) == before  # and the processor has its own budget back
+
+
 def test_evaluate_needs_a_reward(tiny_dir):
     model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
     with pytest.raises(ValueError, match="at least one reward"):

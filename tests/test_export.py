@@ -1,11 +1,14 @@
+import json
 import os
 import stat
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from vlm_grpo.export import atomic_directory
+from vlm_grpo.model import FastVisionModel
 
 
 @pytest.fixture
@@ -34,3 +37,46 @@ def test_atomic_directory_replaces_the_old_version_and_keeps_it_on_failure(tmp_p
         open(os.path.join(tmp, "b"), "w").close()
         raise RuntimeError("crash mid-write")
     assert sorted(os.listdir(target)) == ["a"] and sorted(os.listdir(tmp_path)) == ["final"]
+
+
+def _keys(directory) -> list[str]:
+    with safe_open(os.path.join(directory, "model.safetensors"), "pt") as f:
+        return sorted(f.keys())
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+def test_merged_export_is_what_save_pretrained_writes(tiny_dir, tmp_path, family):
+    path = tiny_dir(family)
+    model, processor = FastVisionModel.from_pretrained(path)
+    model = FastVisionModel.get_peft_model(model, r=4)
+    base_config = model.get_base_model().config
+    base_config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}  # as on a 4-bit base
+    out = FastVisionModel.save_pretrained_merged(model, processor, tmp_path / "merged")
+    # The checkpoint's own key names (transformers' save format, as in the checkpoint it was loaded from; Gemma 3's
+    # tied lm_head left out), not the in-memory module names.
+    assert _keys(out) == _keys(path)
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    assert "quantization_config" not in config  # the merged weights are plain 16-bit
+    assert config["dtype"] == config["text_config"]["dtype"] == config["vision_config"]["dtype"] == "float16"
+    assert base_config.quantization_config and base_config.dtype == torch.float32  # the live model is untouched
+    assert os.path.exists(os.path.join(out, "generation_config.json"))
+    assert os.path.exists(os.path.join(out, "processor_config.json"))
+
+
+def test_merged_export_keeps_a_trained_modules_to_save_copy(tiny_dir, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    model = FastVisionModel.get_peft_model(model, r=4, init_lora_weights=False, modules_to_save=["lm_head"])
+    FastVisionModel.for_inference(model)
+    with torch.no_grad():
+        trained_head = model.get_base_model().lm_head.modules_to_save["default"]
+        trained_head.weight.add_(torch.randn_like(trained_head.weight))  # as if training had changed the copy
+    inputs = processor(text=["<|im_start|>user\nhi<|im_end|>\n"], return_tensors="pt")
+    with torch.no_grad():
+        expected = model(**inputs).logits
+    out = FastVisionModel.save_pretrained_merged(model, processor, tmp_path / "merged", dtype=torch.float32)
+    with torch.no_grad():
+        reloaded = AutoModelForImageTextToText.from_pretrained(out).eval()(**inputs).logits
+    torch.testing.assert_close(reloaded, expected, atol=1e-4, rtol=1e-4)

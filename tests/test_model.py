@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
-from vlm_grpo.model import FastBaseVisionModel, FastVisionModel, select_lora_modules
+from vlm_grpo.model import FastBaseVisionModel, FastVisionModel, checkpointing_mode, select_lora_modules
 from vlm_grpo.tiny import TINY_FAMILIES
 
 LANG_ATTN = {f"model.language_model.layers.N.self_attn.{p}_proj" for p in "qkvo"}
@@ -125,19 +125,43 @@ def test_modes_switch_and_are_idempotent(tiny_dir):
     assert model.training and not checkpointing()
 
 
+@pytest.mark.parametrize("how", ["ours", "transformers"])
+def test_checkpointing_mode_is_read_from_the_model(tiny_dir, how):
+    model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    assert checkpointing_mode(model) is False
+    if how == "ours":
+        FastVisionModel.for_training(model, use_gradient_checkpointing="reentrant")
+    else:  # switched on outside FastVisionModel: the mode must still be known, not assumed
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert checkpointing_mode(model) == "reentrant"
+    FastVisionModel.for_training(model, use_gradient_checkpointing=True)
+    assert checkpointing_mode(model) is True
+
+
 def test_from_pretrained_defaults_and_pixel_budget(tiny_dir):
     model, processor = FastBaseVisionModel.from_pretrained(
         tiny_dir("qwen2_5_vl"), max_seq_length=512, min_pixels=28 * 28, max_pixels=56 * 56
     )
     assert model.dtype == torch.float32  # CPU default
-    assert model.max_seq_length == 512
+    assert not hasattr(model, "max_seq_length")  # accepted for Unsloth's signature, used for nothing, so not stored
     assert not any(p.requires_grad for p in model.parameters())  # frozen until get_peft_model
     size = processor.image_processor.size
-    assert (size.shortest_edge, size.longest_edge) == (784, 3136)
+    assert (size.shortest_edge, size.longest_edge) == (784, 3136)  # the processor's own settings are the budget
+    assert not [name for name in vars(processor) if "pixel" in name]  # and no private copy rides along
     big = processor(text=["<|image_pad|>"], images=[Image.new("RGB", (224, 224))], return_tensors="pt")
     assert big["image_grid_thw"].prod().item() <= 3136 // (14 * 14)  # 224x224 shrunk to the budget
     full, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"), full_finetuning=True, dtype="bfloat16")
     assert full.dtype == torch.bfloat16 and all(p.requires_grad for p in full.parameters()) and full.training
+
+
+@pytest.mark.parametrize("family", ["gemma3", "idefics3"])
+def test_a_budget_the_processor_cannot_keep_is_refused(tiny_dir, family):
+    # Gemma 3 / Idefics3 processors resize to their own input size: a budget here used to ride on a private attribute
+    # that only the trainer read (evaluate ignored it). It is refused, naming where a budget works for them.
+    with pytest.raises(ValueError, match=r"no pixel budget.*VLMGRPOConfig\(min_pixels=\.\.\., max_pixels=\.\.\.\)"):
+        FastVisionModel.from_pretrained(tiny_dir(family), max_pixels=56 * 56)
+    with pytest.raises(ValueError, match=r"min_pixels \(9\) is larger than max_pixels \(4\)"):
+        FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"), min_pixels=9, max_pixels=4)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])

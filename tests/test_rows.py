@@ -5,7 +5,8 @@ from datasets import Dataset
 from datasets import Image as ImageFeature
 from PIL import Image
 
-from vlm_grpo.rows import check_dataset, count_image_placeholders, prepare_row
+from vlm_grpo.pixel_budget import PixelBudget
+from vlm_grpo.rows import check_dataset, count_image_placeholders, prepare_row, source_image_sizes
 
 
 def _png(size=(20, 10), color=(0, 128, 255)):
@@ -16,12 +17,13 @@ def _png(size=(20, 10), color=(0, 128, 255)):
 
 def test_prepare_row_normalises_fits_and_wraps_string_prompts():
     rgba = Image.new("RGBA", (200, 100), (255, 0, 0, 0))  # fully transparent -> white after normalising
-    row = prepare_row({"prompt": "What colour?", "image": rgba, "answer": "red"}, max_pixels=50 * 25)
+    row = prepare_row({"prompt": "What colour?", "image": rgba, "answer": "red"}, PixelBudget(max_pixels=50 * 25))
     assert row["prompt"] == [{"role": "user", "content": "What colour?"}]
     [image] = row["images"]  # one `image` becomes an `images` list, as for every row TRL sees
     assert image.mode == "RGB" and image.width * image.height <= 50 * 25 and image.getpixel((0, 0)) == (255, 255, 255)
-    several = prepare_row({"prompt": "x", "images": [_png(), {"bytes": _png(), "path": None}]}, min_pixels=400 * 200)
+    several = prepare_row({"prompt": "x", "images": [_png(), {"bytes": _png(), "path": None}]}, PixelBudget(400 * 200))
     assert [im.size for im in several["images"]] == [(400, 200)] * 2
+    assert source_image_sizes(several) == [(20, 10)] * 2  # as the dataset holds them, for grounding rewards
     text_only = prepare_row({"prompt": "hi", "images": []})
     assert text_only["images"] == [] and text_only["prompt"] == [{"role": "user", "content": "hi"}]
     plain = prepare_row({"prompt": "no image column"})

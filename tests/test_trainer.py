@@ -201,10 +201,11 @@ def test_mixed_zero_one_and_several_images_per_row(tiny_dir, tmp_path):
 
 
 @pytest.mark.trains
-def test_pixel_budget_shrinks_images_before_the_processor(tiny_dir, tmp_path):
+def test_pixel_budget_bounds_images_for_processors_without_one(tiny_dir, tmp_path):
+    # Idefics3 resizes every image to its own input size, so the budget is applied before it, by the trainer.
     big = Image.new("RGB", (448, 224), (0, 255, 0))
     dataset = Dataset.from_list([{"prompt": "What colour?", "image": big, "answer": "green"}] * 4)
-    model, processor = _model(tiny_dir, peft=True)
+    model, processor = _model(tiny_dir, "idefics3", peft=True)
     sizes = []
 
     class Spy(VLMGRPOTrainer):  # records the images that reach generation (and so the processor)
@@ -217,8 +218,48 @@ def test_pixel_budget_shrinks_images_before_the_processor(tiny_dir, tmp_path):
         processing_class=processor,
     )  # fmt: skip
     trainer.train()
-    assert trainer.max_pixels == 56 * 56
+    assert trainer.pixel_budget.max_pixels == 56 * 56
     assert sizes and all(w * h <= 56 * 56 and abs(w / h - 2.0) < 0.2 for w, h in sizes)
+
+
+@pytest.mark.trains
+def test_qwen_images_are_resized_once_by_the_processors_budget(tiny_dir, tmp_path, caplog):
+    """The pixel_values / image_grid_thw training uses are what the processor alone makes of the image, with the
+    config's budget, which replaces from_pretrained's (logged) and lives in the processor, not in a private copy."""
+    from vlm_grpo.processor import load_processor
+
+    big = Image.fromarray(np.random.default_rng(0).integers(0, 256, (224, 448, 3), dtype=np.uint8))
+    dataset = Dataset.from_list([{"prompt": "What colour?", "image": big, "answer": "green"}] * 4)
+    path = tiny_dir("qwen2_5_vl", words=COLORS)
+    model, processor = FastVisionModel.from_pretrained(path, max_pixels=112 * 112)
+    model = FastVisionModel.get_peft_model(model, r=4)
+    seen = []
+
+    class Spy(VLMGRPOTrainer):  # records the image inputs of every log-prob forward
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kw):
+            seen.append((kw["pixel_values"].detach().cpu(), kw["image_grid_thw"].cpu()))
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, **kw
+            )
+
+    with caplog.at_level("WARNING", logger="vlm_grpo.pixel_budget"):
+        trainer = Spy(
+            model, [choice], args=_config(tmp_path, max_steps=1, max_pixels=56 * 56), train_dataset=dataset,
+            processing_class=processor,
+        )  # fmt: skip
+    assert "VLMGRPOConfig.max_pixels=3136 replaces the processor's max_pixels=12544" in caplog.text
+    assert processor.image_processor.size["longest_edge"] == 56 * 56 == trainer.pixel_budget.max_pixels
+    trainer.train()
+
+    reference = load_processor(path, "qwen2_5_vl").image_processor
+    budget = {"shortest_edge": processor.image_processor.size["shortest_edge"], "longest_edge": 56 * 56}
+    alone = reference(images=[big], size=budget, return_tensors="pt")
+    (_, grid_h, grid_w), patches = alone["image_grid_thw"][0].tolist(), alone["pixel_values"].shape[0]
+    assert grid_h * grid_w * reference.patch_size**2 <= 56 * 56  # the budget holds
+    assert seen
+    for pixel_values, grids in seen:
+        assert all(g.tolist() == [1, grid_h, grid_w] for g in grids)
+        torch.testing.assert_close(pixel_values[:patches], alone["pixel_values"], rtol=0, atol=0)
 
 
 @pytest.mark.trains
@@ -379,6 +420,24 @@ def test_checkpointing_is_back_for_training_after_evaluation(tiny_dir, tmp_path)
     evaluating = [f for f in forwards if not f[0]]
     assert len(training) == 3 and len(evaluating) >= 3  # evaluation ran (on start and between steps), in eval mode
     assert all(training), forwards  # every training step after an evaluation checkpoints, as configured
+
+
+def test_generation_restores_the_models_own_checkpointing_mode(tiny_dir, tmp_path):
+    # TRL's args leave checkpointing off, so after each generation the model gets back the mode it came with: here
+    # reentrant, switched on with transformers' own API rather than FastVisionModel's.
+    from vlm_grpo.model import checkpointing_mode
+
+    model, processor = _model(tiny_dir, peft=True, use_gradient_checkpointing=False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    dataset = make_visual_reasoning_dataset("color", 8, seed=0)
+    trainer = VLMGRPOTrainer(
+        model, [choice], args=_config(tmp_path, gradient_checkpointing=False), train_dataset=dataset,
+        processing_class=processor,
+    )  # fmt: skip
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    FastVisionModel.for_inference(unwrapped)
+    trainer._restore_training_mode(unwrapped, was_training=True)
+    assert checkpointing_mode(unwrapped) == "reentrant"
 
 
 @pytest.mark.trains

@@ -426,9 +426,7 @@ def _load(script: ScriptArguments, config: Any) -> tuple[Any, Any]:
         load_in_8bit=script.load_in_8bit,
         full_finetuning=not script.use_peft,
         use_gradient_checkpointing=config.gradient_checkpointing,
-        min_pixels=config.min_pixels,
-        max_pixels=config.max_pixels,
-    )
+    )  # the pixel budget (config.min_pixels / max_pixels) is applied by VLMGRPOTrainer and evaluate, for every family
     if script.use_peft:
         model = FastBaseVisionModel.get_peft_model(
             model,

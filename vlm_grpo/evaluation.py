@@ -10,6 +10,7 @@ import torch
 
 from .image_sizes import add_image_sizes
 from .model import FastBaseVisionModel
+from .pixel_budget import pixel_budget_for_call
 from .rows import check_dataset, dataset_row, prepare_row, row_images
 
 __all__ = ["evaluate", "pass_at_k", "sample_completions"]
@@ -53,6 +54,9 @@ def evaluate(
             completion is correct when its reward is >= `correct_threshold`.
         num_generations: samples per prompt. 1 decodes greedily; more samples at `temperature`, for pass@k.
         max_new_tokens: completion length limit.
+        min_pixels / max_pixels: image pixel budget for this call (None: the processor's own, which is the training
+            budget after `VLMGRPOTrainer`). A Qwen-VL processor gets it for the call and its own back afterwards;
+            for other processors images are fitted to it first (see `vlm_grpo.pixel_budget`).
 
     Returns:
         `{"mean_reward": ..., "accuracy": ..., "reward/<name>": ..., "pass@k": ...}` with pass@k for k = 1, 2, 4, ...
@@ -134,19 +138,26 @@ def _scored_batches(model, processor, dataset, funcs, num_generations, max_new_t
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        for start in range(0, len(dataset), batch_size):
-            raw = [dict(r) for r in dataset.select(range(start, min(start + batch_size, len(dataset))))]
-            rows = add_image_sizes(raw, [prepare_row(r, min_pixels, max_pixels) for r in raw], processor)
-            completions = _generate(model, processor, rows, num_generations, max_new_tokens, temperature, device)
-            expanded = [dataset_row(row) for row in rows for _ in range(num_generations)]
-            columns = {k: [row.get(k) for row in expanded] for k in expanded[0] if k not in ("prompt", "image", "images")}
-            prompts = [row["prompt"] for row in expanded]
-            scores = {_name(func): list(func(prompts=prompts, completions=completions, **columns)) for func in funcs}
-            yield completions, scores
+        with pixel_budget_for_call(processor, min_pixels, max_pixels) as budget:
+            yield from _batches(model, processor, dataset, funcs, num_generations, max_new_tokens, temperature,
+                                batch_size, budget, device)  # fmt: skip
     finally:
         torch.random.set_rng_state(generator_state)
         if was_training:
             FastBaseVisionModel.for_training(model)
+
+
+def _batches(model, processor, dataset, funcs, num_generations, max_new_tokens, temperature, batch_size, budget,
+             device) -> Iterator[tuple[list[str], dict[str, list[float | None]]]]:  # fmt: skip
+    for start in range(0, len(dataset), batch_size):
+        raw = [dict(r) for r in dataset.select(range(start, min(start + batch_size, len(dataset))))]
+        rows = add_image_sizes([prepare_row(r, budget) for r in raw], processor)
+        completions = _generate(model, processor, rows, num_generations, max_new_tokens, temperature, device)
+        expanded = [dataset_row(row) for row in rows for _ in range(num_generations)]
+        columns = {k: [row.get(k) for row in expanded] for k in expanded[0] if k not in ("prompt", "image", "images")}
+        prompts = [row["prompt"] for row in expanded]
+        scores = {_name(func): list(func(prompts=prompts, completions=completions, **columns)) for func in funcs}
+        yield completions, scores
 
 
 def _generate(model, processor, rows, num_generations, max_new_tokens, temperature, device) -> list[str]:

@@ -1,12 +1,13 @@
 """Merged 16-bit export of a (possibly quantised) LoRA model, written atomically.
 
-Kept apart from `model.py` because it walks PEFT and bitsandbytes internals: the one place to
-update when those libraries change their layouts.
+The libraries do the work: PEFT's `get_delta_weight` and `dequantize_module_weight` give each layer's merged
+weight, transformers' `save_pretrained` writes the checkpoint; `atomic_directory` makes the write all-or-nothing.
+Kept apart from `model.py` because it walks PEFT's module layout: the one place to update when that changes.
 """
 
 from __future__ import annotations
 
-import json
+import copy
 import os
 import shutil
 import tempfile
@@ -18,44 +19,34 @@ from torch import nn
 __all__ = ["atomic_directory", "merged_state_dict", "write_checkpoint"]
 
 
-def _dequantized_weight(layer: nn.Module) -> torch.Tensor:
-    """The full-precision weight of a Linear, undoing bitsandbytes 4-bit / 8-bit quantisation."""
-    weight = layer.weight
-    cls = type(weight).__name__
-    if cls == "Params4bit":
-        import bitsandbytes.functional as F
-
-        return F.dequantize_4bit(weight.data, weight.quant_state).reshape(layer.out_features, layer.in_features)
-    if cls == "Int8Params":
-        scale = getattr(weight, "SCB", None)
-        if scale is None:  # not `or`: a tensor has no truth value
-            scale = layer.state.SCB
-        return weight.data.float() * scale.float().unsqueeze(1) / 127.0
-    return weight.data
-
-
 def merged_state_dict(model: nn.Module, dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
     """State dict of the base model with every active LoRA delta added to its weight, cast to `dtype`.
 
-    Does not modify `model` (unlike `merge_and_unload`), so training can continue after an export.
-    Tied weights are stored once (the first name wins, as transformers re-ties them on load).
+    Does not modify `model` (unlike `merge_and_unload`), so training can continue after an export. bitsandbytes
+    4-bit / 8-bit weights are dequantised with PEFT's own helper. Tied parameters (one object under two names) map to
+    one tensor under both names, so `save_pretrained` keeps the name transformers expects and drops the alias.
     """
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
     from peft.utils import ModulesToSaveWrapper
+    from peft.utils.integrations import dequantize_module_weight
 
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     state: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
+    converted: dict[int, torch.Tensor] = {}  # id of a live parameter -> its exported tensor (shared by tied names)
+    replaced: set[int] = set()  # live parameters exported as merged / dequantised temporaries instead
 
-    def put(name: str, tensor: torch.Tensor, shared: bool = True) -> None:
-        # Tied parameters are the same object under two names; ids are only compared for live parameters
-        # (`shared`), never for temporaries, whose ids Python reuses once they are freed.
-        if shared:
-            if id(tensor) in seen:
-                return
-            seen.add(id(tensor))
-        state[name] = tensor.detach().to(device="cpu", dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().to(device="cpu", dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+
+    def put(name: str, tensor: torch.Tensor) -> None:
+        # Only live parameters and buffers come here; their ids are stable while the model lives (a temporary's id
+        # could be reused once it is freed, so temporaries are stored directly).
+        if id(tensor) in replaced:
+            return
+        if id(tensor) not in converted:
+            converted[id(tensor)] = cast(tensor)
+        state[name] = converted[id(tensor)]
 
     skip_prefixes: list[str] = []
     with torch.no_grad():
@@ -65,26 +56,27 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype = torch.float16) -> d
             prefix = f"{name}." if name else ""
             if isinstance(module, LoraLayer):
                 layer = module.get_base_layer()
-                weight = _dequantized_weight(layer).float()
+                weight = dequantize_module_weight(layer).float()
                 for adapter in module.active_adapters:
                     if adapter in module.lora_A:
                         weight = weight + module.get_delta_weight(adapter).float().to(weight.device)
-                seen.add(id(layer.weight))
-                put(prefix + "weight", weight, shared=False)
+                replaced.add(id(layer.weight))
+                state[prefix + "weight"] = cast(weight)
                 if getattr(layer, "bias", None) is not None:
                     put(prefix + "bias", layer.bias)
                 skip_prefixes.append(prefix)
                 continue
             if isinstance(module, ModulesToSaveWrapper):
                 trained = module.modules_to_save[module.active_adapter]
-                for pname, param in trained.state_dict().items():
+                # keep_vars: the live tensors (stable ids, see `put`), not detached copies made for this call.
+                for pname, param in trained.state_dict(keep_vars=True).items():
                     put(prefix + pname, param)
                 skip_prefixes.append(prefix)
                 continue
             for pname, param in module.named_parameters(recurse=False):
-                if type(param).__name__ in ("Params4bit", "Int8Params"):
-                    seen.add(id(param))
-                    put(prefix + pname, _dequantized_weight(module), shared=False)
+                if type(param).__name__ in ("Params4bit", "Int8Params"):  # a quantised layer without LoRA
+                    replaced.add(id(param))
+                    state[prefix + pname] = cast(dequantize_module_weight(module))
                 else:
                     put(prefix + pname, param)
             for bname, buffer in module.named_buffers(recurse=False):
@@ -141,28 +133,26 @@ def write_checkpoint(
     model: nn.Module, processor: Any, state_dict: dict[str, torch.Tensor], save_directory: str | os.PathLike,
     dtype: torch.dtype,
 ) -> str:
-    """Write `state_dict` as a plain transformers checkpoint (sharded safetensors, config, processor)."""
-    from huggingface_hub import split_torch_state_dict_into_shards
+    """Write `state_dict` as a plain `dtype` transformers checkpoint, atomically; return its absolute path.
+
+    transformers' own `save_pretrained` writes it (sharded safetensors with their index, config, generation config,
+    checkpoint-format key names), called on a weightless (meta-device) copy of the base model's class built from a
+    copy of its config without `quantization_config`, so neither the config nor a quantiser's state dict describes
+    weights that are no longer quantised. `model` is not touched. The processor is saved alongside.
+    """
+    from accelerate import init_empty_weights
     from peft import PeftModel
-    from safetensors.torch import save_file
 
     base = model.get_base_model() if isinstance(model, PeftModel) else model
+    config = copy.deepcopy(base.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the merged weights are plain `dtype`
+    with init_empty_weights():
+        skeleton = type(base)._from_config(config, dtype=dtype)
+    if getattr(base, "generation_config", None) is not None:
+        skeleton.generation_config = copy.deepcopy(base.generation_config)
     with atomic_directory(save_directory) as tmp:
-        shards = split_torch_state_dict_into_shards(state_dict, max_shard_size="5GB")
-        for filename, names in shards.filename_to_tensors.items():
-            save_file({n: state_dict[n].contiguous() for n in names}, os.path.join(tmp, filename), metadata={"format": "pt"})
-        if shards.is_sharded:
-            index = {"metadata": shards.metadata, "weight_map": shards.tensor_to_filename}
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump(index, f, indent=2)
-        config = base.config.to_dict()
-        config.pop("quantization_config", None)  # the merged weights are plain 16-bit
-        config["dtype"] = str(dtype).removeprefix("torch.")
-        config["architectures"] = [type(base).__name__]
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
-        if getattr(base, "generation_config", None) is not None:
-            base.generation_config.save_pretrained(tmp)
+        skeleton.save_pretrained(tmp, state_dict=state_dict, max_shard_size="5GB")
         if processor is not None:
             processor.save_pretrained(tmp)
     return os.path.abspath(os.fspath(save_directory))

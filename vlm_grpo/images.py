@@ -20,11 +20,11 @@ from PIL import Image, ImageOps
 
 __all__ = [
     "ImageError",
+    "check_pixel_budget",
     "fit_pixel_budget",
     "load_image",
+    "load_rgb_images",
     "normalize_image",
-    "prepare_image",
-    "prepare_images",
 ]
 
 _WHITE = (255, 255, 255)
@@ -274,152 +274,68 @@ def _gray_to_rgb(values: np.ndarray, full_scale: float) -> Image.Image:
 # ---------------------------------------------------------------------- pixel budget
 
 
-def fit_pixel_budget(
-    img: Image.Image,
-    min_pixels: int | None = None,
-    max_pixels: int | None = None,
-    *,
-    multiple_of: int = 1,
-) -> Image.Image:
-    """Resize ``img`` (keeping its aspect ratio) so its area is within a pixel budget.
+def check_pixel_budget(min_pixels: int | None, max_pixels: int | None) -> None:
+    """Raise ValueError unless each bound is None or a positive int and ``min_pixels <= max_pixels``.
 
-    Args:
-        img: Image to fit; never modified.
-        min_pixels: Smallest allowed ``width * height``; ``None`` for no lower bound.
-        max_pixels: Largest allowed ``width * height``; ``None`` for no upper bound.
-        multiple_of: Both output sides are positive multiples of this (e.g. 28 for
-            Qwen2.5-VL: patch 14 x spatial merge 2).
-
-    Returns:
-        A copy of ``img`` if it already satisfies the budget and ``multiple_of``;
-        otherwise a BICUBIC resize to the size closest in aspect ratio (then area)
-        that does. With ``multiple_of == 1`` an image inside the budget is never
-        resized. Very elongated images may have their aspect ratio clamped, since
-        each side is at least ``multiple_of``.
-
-    Raises:
-        ValueError: a bound or ``multiple_of`` is not a positive int,
-            ``min_pixels > max_pixels``, or no size with sides that are multiples of
-            ``multiple_of`` has an area inside the budget.
+    The one validation of a pixel budget: the config, ``from_pretrained``, ``evaluate`` and :func:`fit_pixel_budget`
+    all call it.
     """
-    _check_budget(min_pixels, max_pixels, multiple_of)
-    size = _budget_size(img.width, img.height, min_pixels, max_pixels, multiple_of)
-    if size == img.size:
-        return img.copy()
-    return img.resize(size, Image.Resampling.BICUBIC)
-
-
-def _check_budget(min_pixels: int | None, max_pixels: int | None, multiple_of: int) -> None:
     for name, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
         if value is not None and (not _is_int(value) or value <= 0):
-            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-    if not _is_int(multiple_of) or multiple_of <= 0:
-        raise ValueError(f"multiple_of must be a positive int, got {multiple_of!r}")
+            raise ValueError(f"{name} must be a positive integer or None, got {value!r}.")
     if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
-        raise ValueError(f"min_pixels ({min_pixels}) must not exceed max_pixels ({max_pixels})")
-    if max_pixels is not None and max_pixels < multiple_of**2:
-        raise ValueError(
-            f"max_pixels ({max_pixels}) is smaller than one {multiple_of}x{multiple_of} "
-            f"block; raise max_pixels to at least {multiple_of**2}"
-        )
+        raise ValueError(f"min_pixels ({min_pixels}) is larger than max_pixels ({max_pixels}).")
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def _budget_size(
-    width: int, height: int, min_pixels: int | None, max_pixels: int | None, unit: int
-) -> tuple[int, int]:
-    # Work in units of `unit` so the search is over small integers (a, b) with
-    # output size (a * unit, b * unit).
-    lo = (min_pixels or 0) / unit**2
-    hi = (max_pixels or math.inf) / unit**2
-    w, h = width / unit, height / unit
-    ideal_area = min(max(w * h, lo), hi)
-    scale = math.sqrt(ideal_area / (w * h))
-    ideal_w, ideal_h = w * scale, h * scale
+def fit_pixel_budget(img: Image.Image, min_pixels: int | None = None, max_pixels: int | None = None) -> Image.Image:
+    """Resize ``img`` (aspect ratio kept) so its area ``width * height`` is within ``[min_pixels, max_pixels]``.
 
-    best = _search(_around(ideal_w), _around(ideal_h), w / h, lo, hi, ideal_area)
-    if best is None and math.isfinite(hi):
-        # A tight budget (e.g. min == max) may only be met far from the ideal
-        # size; the shorter side of any valid size is <= sqrt(hi), so this is exhaustive.
-        sides = range(1, math.isqrt(math.floor(hi)) + 1)
-        best = _search(sides, sides, w / h, lo, hi, ideal_area)
-    if best is None:
-        raise ValueError(
-            f"no {unit}-multiple size has an area within [{min_pixels}, {max_pixels}] pixels; "
-            "widen the budget or lower multiple_of"
-        )
-    return best[2] * unit, best[3] * unit
+    Both sides are scaled by one factor and rounded toward the budget: down when shrinking, so the area never
+    exceeds ``max_pixels``; up when growing, so it reaches ``min_pixels``, unless the two bounds are closer than one
+    row of pixels, where ``max_pixels`` wins. A side never drops below 1 pixel, so a very elongated image keeps 1 pixel
+    on its short side and has its long side cut to ``max_pixels``. ``None`` means no bound.
+
+    Returns a copy when ``img`` is already inside the budget, else a BICUBIC resize; ``img`` is never modified.
+    For processors that resize by a budget themselves (Qwen-VL), :class:`vlm_grpo.pixel_budget.PixelBudget` fits
+    images with the processor's own rule instead.
+    """
+    check_pixel_budget(min_pixels, max_pixels)
+    size = _budget_size(img.width, img.height, min_pixels, max_pixels)
+    return img.copy() if size == img.size else img.resize(size, Image.Resampling.BICUBIC)
 
 
-def _search(
-    widths: range, heights: range, ratio: float, lo: float, hi: float, ideal_area: float
-) -> tuple[float, float, int, int] | None:
-    best: tuple[float, float, int, int] | None = None
-    for a in widths:
-        best = _better(best, a, _fit_other_side(a, 1 / ratio, lo, hi), ratio, ideal_area)
-    for b in heights:
-        best = _better(best, _fit_other_side(b, ratio, lo, hi), b, ratio, ideal_area)
-    return best
-
-
-def _around(x: float) -> range:
-    return range(max(1, math.floor(x) - 1), max(1, math.ceil(x) + 1) + 1)
-
-
-def _fit_other_side(side: int, ratio: float, lo: float, hi: float) -> int | None:
-    """Best integer partner for ``side`` given the aspect ``ratio`` and area bounds."""
-    first = max(1, math.ceil(lo / side - 1e-9))
-    last = math.floor(hi / side + 1e-9) if math.isfinite(hi) else math.inf
-    if first > last:
-        return None
-    return int(min(max(round(side * ratio), first), last))
-
-
-def _better(
-    best: tuple[float, float, int, int] | None,
-    a: int | None,
-    b: int | None,
-    ratio: float,
-    ideal_area: float,
-) -> tuple[float, float, int, int] | None:
-    if a is None or b is None:
-        return best
-    candidate = (abs(math.log(a / b / ratio)), abs(math.log(a * b / ideal_area)), a, b)
-    # Aspect ratio first, then area: distortion is more harmful than a slightly smaller image.
-    return candidate if best is None or candidate[:2] < best[:2] else best
+def _budget_size(width: int, height: int, min_pixels: int | None, max_pixels: int | None) -> tuple[int, int]:
+    area = width * height
+    if max_pixels is not None and area > max_pixels:
+        scale = math.sqrt(max_pixels / area)
+        new_width, new_height = max(1, math.floor(width * scale)), max(1, math.floor(height * scale))
+    elif min_pixels is not None and area < min_pixels:
+        scale = math.sqrt(min_pixels / area)
+        new_width, new_height = math.ceil(width * scale), math.ceil(height * scale)
+    else:
+        return width, height
+    if max_pixels is not None and new_width * new_height > max_pixels:
+        # A side held at 1 pixel, or rounding up past a max_pixels just above min_pixels: cut the longer side.
+        if new_width >= new_height:
+            new_width = max(1, max_pixels // new_height)
+        else:
+            new_height = max(1, max_pixels // new_width)
+    return new_width, new_height
 
 
 # -------------------------------------------------------------------- one-stop entry
 
 
-def prepare_image(
-    obj: Any,
-    min_pixels: int | None = None,
-    max_pixels: int | None = None,
-    *,
-    multiple_of: int = 1,
-) -> Image.Image:
-    """Load, normalise to RGB and fit to the pixel budget; see the three steps for details."""
-    return fit_pixel_budget(
-        normalize_image(load_image(obj)), min_pixels, max_pixels, multiple_of=multiple_of
-    )
+def load_rgb_images(value: Any) -> list[Image.Image]:
+    """Turn a row's ``image`` (one) or ``images`` (a list) value into a list of upright RGB images.
 
-
-def prepare_images(
-    value: Any,
-    min_pixels: int | None = None,
-    max_pixels: int | None = None,
-    *,
-    multiple_of: int = 1,
-) -> list[Image.Image]:
-    """Turn a row's ``image`` (one) or ``images`` (a list) value into a list of RGB images.
-
-    ``None`` gives ``[]``; a list or tuple (possibly empty) is prepared element by
-    element; anything else is treated as a single image. Errors name the failing
-    list index.
+    Each image is loaded (:func:`load_image`) and normalised (:func:`normalize_image`). ``None`` gives ``[]``; a list
+    or tuple (possibly empty) is loaded element by element; anything else is treated as a single image. Errors name
+    the failing list index.
     """
     if value is None:
         return []
@@ -427,8 +343,8 @@ def prepare_images(
         images = []
         for i, item in enumerate(value):
             try:
-                images.append(prepare_image(item, min_pixels, max_pixels, multiple_of=multiple_of))
+                images.append(normalize_image(load_image(item)))
             except ImageError as err:
                 raise ImageError(f"images[{i}]: {err}") from err
         return images
-    return [prepare_image(value, min_pixels, max_pixels, multiple_of=multiple_of)]
+    return [normalize_image(load_image(value))]

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from .hooks import VISION_TOWER_NAMES, enable_requires_grad_hooks
+from .images import check_pixel_budget
+from .pixel_budget import set_processor_pixel_budget
 from .processor import load_processor
 
 __all__ = ["FastBaseVisionModel", "FastVisionModel", "select_lora_modules"]
@@ -133,6 +135,20 @@ def is_checkpointing(model: nn.Module) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
+def checkpointing_mode(model: nn.Module) -> bool | str:
+    """The model's gradient checkpointing as `for_training` takes it: False (off), "reentrant", or True (non-reentrant).
+
+    Read from the model itself: transformers gives every checkpointed layer a `functools.partial` of
+    `torch.utils.checkpoint.checkpoint` holding the `use_reentrant` it was switched on with, so the answer is right
+    however checkpointing was switched on (`get_peft_model`, `for_training`, or transformers directly).
+    """
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) is True:
+            keywords = getattr(getattr(module, "_gradient_checkpointing_func", None), "keywords", None) or {}
+            return "reentrant" if keywords.get("use_reentrant") else True
+    return False
+
+
 def _checkpointing_off(model: nn.Module) -> None:
     if is_checkpointing(model):
         # transformers >= 5.2x calls it activation checkpointing; 5.17 (and PEFT wrappers) know the old name.
@@ -151,7 +167,6 @@ def _set_gradient_checkpointing(model: nn.Module, use_gradient_checkpointing: bo
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     enable_requires_grad_hooks(model)
-    object.__setattr__(model, "_vlm_grpo_gc", use_gradient_checkpointing)
 
 
 def _set_use_cache(model: nn.Module, value: bool) -> None:
@@ -176,7 +191,7 @@ class FastBaseVisionModel:
     @staticmethod
     def from_pretrained(
         model_name: str,
-        max_seq_length: int = 2048,
+        max_seq_length: int | None = None,
         dtype: torch.dtype | str | None = None,
         load_in_4bit: bool = False,
         load_in_8bit: bool = False,
@@ -193,7 +208,9 @@ class FastBaseVisionModel:
 
         Args:
             model_name: a Hub id (`Qwen/Qwen2.5-VL-3B-Instruct`) or a local checkpoint directory.
-            max_seq_length: longest prompt + completion you plan to train on (kept on the model).
+            max_seq_length: accepted for compatibility with Unsloth's `from_pretrained` and has no effect: a
+                transformers model has no fixed context to set. Bound lengths with `VLMGRPOConfig`'s
+                `max_completion_length` (and the pixel budget, which bounds the image tokens of a prompt).
             dtype: None picks bf16 on a GPU that supports it, else fp16 on GPU, else fp32 on CPU; "auto" keeps the
                 checkpoint's own dtype (transformers' meaning).
             load_in_4bit / load_in_8bit: bitsandbytes quantisation of the language model (NF4 with double
@@ -202,7 +219,11 @@ class FastBaseVisionModel:
             use_gradient_checkpointing: True / "unsloth" (non-reentrant), "reentrant", or False; applied by
                 `get_peft_model` (or here with `full_finetuning`).
             device_map: passed to transformers; None puts the model on the first GPU when there is one.
-            min_pixels / max_pixels: image pixel budget; images outside it are resized (aspect kept).
+            min_pixels / max_pixels: the image pixel budget of a processor that resizes by one (Qwen2/2.5/3-VL),
+                written into its `image_processor.size` as `AutoProcessor.from_pretrained(..., min_pixels=...,
+                max_pixels=...)` does; None keeps the checkpoint's value. Processors without a budget (Gemma 3,
+                Idefics3) raise ValueError rather than drop it: give those a budget with `VLMGRPOConfig(min_pixels=,
+                max_pixels=)` and `evaluate(...)`. See `vlm_grpo.pixel_budget`.
             attn_implementation: "eager", "sdpa", "flash_attention_2"...; None lets transformers choose.
             **kwargs: passed to `AutoModelForImageTextToText.from_pretrained` (e.g. `revision`, `token`).
         """
@@ -228,6 +249,7 @@ class FastBaseVisionModel:
                 "use LoRA (FastVisionModel.get_peft_model, or a `peft_config` for VLMGRPOTrainer)."
             )
         _gc_kwargs(use_gradient_checkpointing)  # validate early
+        check_pixel_budget(min_pixels, max_pixels)
         hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
 
         config = AutoConfig.from_pretrained(model_name, trust_remote_code=trust_remote_code, **hub_kwargs)
@@ -250,13 +272,12 @@ class FastBaseVisionModel:
             compute_dtype = _default_dtype() if dtype == "auto" else dtype
             load_kwargs["quantization_config"] = _bnb_config(config, load_in_4bit, compute_dtype)
 
-        model = AutoModelForImageTextToText.from_pretrained(model_name, **load_kwargs)
+        # The processor first: it is cheap, and a pixel budget it cannot keep is refused before GBs of weights load.
         processor = load_processor(model_name, config.model_type, trust_remote_code=trust_remote_code, **hub_kwargs)
-        _set_pixel_budget(processor, min_pixels, max_pixels)
+        set_processor_pixel_budget(processor, min_pixels, max_pixels)
+        model = AutoModelForImageTextToText.from_pretrained(model_name, **load_kwargs)
 
-        object.__setattr__(model, "max_seq_length", max_seq_length)
         object.__setattr__(model, "_vlm_grpo_processor", processor)
-        object.__setattr__(model, "_vlm_grpo_gc", use_gradient_checkpointing)
         if full_finetuning:
             model.requires_grad_(True)
             FastBaseVisionModel.for_training(model, use_gradient_checkpointing)
@@ -338,9 +359,8 @@ class FastBaseVisionModel:
             use_rslora=use_rslora, modules_to_save=modules_to_save, task_type="CAUSAL_LM", **kwargs,
         )  # fmt: skip
         peft_model = get_peft_model(model, config)
-        for attr in ("max_seq_length", "_vlm_grpo_processor"):
-            if hasattr(model, attr):
-                object.__setattr__(peft_model, attr, getattr(model, attr))
+        if hasattr(model, "_vlm_grpo_processor"):
+            object.__setattr__(peft_model, "_vlm_grpo_processor", model._vlm_grpo_processor)
         FastBaseVisionModel.for_training(peft_model, use_gradient_checkpointing)
         return peft_model
 
@@ -372,9 +392,10 @@ class FastBaseVisionModel:
     ) -> str:
         """Write a standalone 16-bit checkpoint with the LoRA weights merged in; return its path.
 
-        Works for 16/32-bit and bitsandbytes 4/8-bit bases (dequantised first), and for FSDP2 / ZeRO-3
-        sharded models (call it on every rank; rank 0 writes). The model itself is left
-        untouched (adapters stay, training can go on). The directory is written to a temporary sibling
+        Works for 16/32-bit and bitsandbytes 4/8-bit bases (dequantised first), and for FSDP2 / ZeRO-3 sharded
+        models (call it on every rank; rank 0 writes). Written by transformers' `save_pretrained` (its checkpoint
+        format, shards, config) with the processor alongside. The model itself is left untouched (adapters stay,
+        training can go on). The directory is written to a temporary sibling
         and renamed into place, so an interrupted save never leaves a half-written checkpoint.
         """
         from .export import merged_state_dict, write_checkpoint
@@ -453,25 +474,3 @@ def _check_target_modules(model: nn.Module, target_modules: list[str] | str) -> 
             "such as 'q_proj', or leave target_modules=None and choose layers with the finetune_* flags."
         )
     return target_modules
-
-
-def _set_pixel_budget(processor: Any, min_pixels: int | None, max_pixels: int | None) -> None:
-    """Record the image pixel budget on the processor (and in Qwen's image processor, which resizes by it)."""
-    if min_pixels is not None and min_pixels <= 0 or max_pixels is not None and max_pixels <= 0:
-        raise ValueError(f"min_pixels and max_pixels must be positive, got {min_pixels} and {max_pixels}.")
-    if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
-        raise ValueError(f"min_pixels ({min_pixels}) is larger than max_pixels ({max_pixels}).")
-    image_processor = getattr(processor, "image_processor", None)
-    size = getattr(image_processor, "size", None)
-    # Qwen's image processors keep the pixel budget as size.shortest_edge (min) / size.longest_edge (max);
-    # `size` is a dict in older transformers and a SizeDict object in newer ones.
-    if isinstance(size, dict) and "shortest_edge" in size and "longest_edge" in size:
-        for key, value in (("shortest_edge", min_pixels), ("longest_edge", max_pixels)):
-            if value is not None:
-                size[key] = value
-    elif getattr(size, "shortest_edge", None) is not None and getattr(size, "longest_edge", None) is not None:
-        for key, value in (("shortest_edge", min_pixels), ("longest_edge", max_pixels)):
-            if value is not None:
-                setattr(size, key, value)
-    # The trainer resizes images to this budget before the processor, for every family.
-    processor._vlm_grpo_pixel_budget = (min_pixels, max_pixels)

@@ -7,9 +7,9 @@ the row and the fix; unreadable or truncated images drop their row, logged and c
 run never dies on row 93 412.
 
 `prepare_row` runs per batch: images normalised (RGB, EXIF, alpha on white, 16-bit...), fitted to
-the pixel budget and always given as an `images` list; a plain-string prompt becomes a user message
-with the images at its `<image>` placeholders. `rows_for_rewards` undoes the last two for the reward
-functions, so they receive the dataset's own format.
+the pixel budget (`vlm_grpo.pixel_budget`) and always given as an `images` list; a plain-string
+prompt becomes a user message with the images at its `<image>` placeholders. `rows_for_rewards`
+undoes the last two for the reward functions, so they receive the dataset's own format.
 """
 
 from __future__ import annotations
@@ -17,11 +17,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from PIL import Image
 
-from .images import ImageError, load_image, prepare_images
+from .images import ImageError, load_image, load_rgb_images
+
+if TYPE_CHECKING:
+    from .pixel_budget import PixelBudget
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
@@ -32,6 +35,7 @@ __all__ = [
     "prepare_row",
     "row_images",
     "rows_for_rewards",
+    "source_image_sizes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -234,14 +238,15 @@ def check_dataset(
     return dataset, skipped
 
 
-def prepare_row(row: dict[str, Any], min_pixels: int | None = None, max_pixels: int | None = None) -> dict[str, Any]:
+def prepare_row(row: dict[str, Any], budget: PixelBudget | None = None) -> dict[str, Any]:
     """A copy of a dataset row ready for TRL's multimodal path.
 
-    Rows of a dataset with an `image` or `images` column get their images loaded, normalised, fitted to the pixel
-    budget and put under `images` as a list (`[]` for a text-only row: TRL turns a missing single image into None,
-    which breaks the processor). A string prompt becomes a user message (TRL places images only in chat prompts)
-    with the images at its `<image>` placeholders, or before the text when it has none. The row's own prompt and
-    image column are kept for `rows_for_rewards`. Rows without an image column are returned unchanged.
+    Rows of a dataset with an `image` or `images` column get their images loaded, normalised, fitted with `budget`
+    (`PixelBudget.fit`; None leaves their size alone) and put under `images` as a list (`[]` for a text-only row: TRL
+    turns a missing single image into None, which breaks the processor). A string prompt becomes a user message (TRL
+    places images only in chat prompts) with the images at its `<image>` placeholders, or before the text when it has
+    none. The row's own prompt, image column and image sizes are kept for `rows_for_rewards` and
+    `source_image_sizes`. Rows without an image column are returned unchanged.
     """
     column = next((c for c in IMAGE_COLUMNS if c in row), None)
     if column is None:
@@ -249,14 +254,22 @@ def prepare_row(row: dict[str, Any], min_pixels: int | None = None, max_pixels: 
     value = row[column]
     if column == "image":
         value = None if value is None else [value]
+    images = load_rgb_images(value)
     row = {k: v for k, v in row.items() if k not in IMAGE_COLUMNS}
-    row["images"] = prepare_images(value, min_pixels=min_pixels, max_pixels=max_pixels)
-    row[_SOURCE] = {"prompt": row.get("prompt"), "image_column": column}
+    row["images"] = [budget.fit(image) for image in images] if budget is not None else images
+    row[_SOURCE] = {"prompt": row.get("prompt"), "image_column": column, "image_sizes": [im.size for im in images]}
     if isinstance(row.get("prompt"), str):
         # Done for every row of a dataset with an image column (text-only rows too) so a batch never mixes strings
         # and chats.
         row["prompt"] = [{"role": "user", "content": _place_images(row["prompt"])}]
     return row
+
+
+def source_image_sizes(row: dict[str, Any]) -> list[tuple[int, int]] | None:
+    """`(width, height)` of each image of a `prepare_row` result as the dataset holds it (upright, before any
+    resizing), recorded when the row was prepared; None for a row `prepare_row` did not prepare."""
+    source = row.get(_SOURCE)
+    return None if source is None else source["image_sizes"]
 
 
 def _place_images(prompt: str) -> str | list[dict[str, str]]:

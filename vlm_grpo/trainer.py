@@ -7,7 +7,8 @@ overrides only these hooks:
   checks reward functions on every call, and registers the requires-grad hooks so checkpointed vision
   LoRA trains.
 - `_generate_and_score_completions`: images loaded from any format, normalised, fitted to the pixel
-  budget and given as `images` lists; plain-string prompts with images turned into chat messages.
+  budget (`vlm_grpo.pixel_budget`) and given as `images` lists; plain-string prompts with images turned
+  into chat messages.
 - `_generate`: text-only rows in a batch with images get `[]` images (TRL's None breaks the processor).
 - `_calculate_rewards`: rows whose prompt was a string reach the rewards as strings again.
 - `_generate_single_turn`: the model switched to inference mode for generation and back after; completions
@@ -33,8 +34,10 @@ from trl.models.utils import unwrap_model_for_generation
 from .fast_generation import FastGenerator, FastPathUnavailable
 from .hooks import enable_requires_grad_hooks
 from .image_sizes import add_image_sizes
+from .images import check_pixel_budget
 from .integrations.unsloth import maybe_patch_for_model
-from .model import FastBaseVisionModel, is_checkpointing
+from .model import FastBaseVisionModel, checkpointing_mode, is_checkpointing
+from .pixel_budget import apply_pixel_budget
 from .processor import load_processor
 from .reward_checks import checked_reward_func
 from .rows import check_dataset, prepare_row, rows_for_rewards
@@ -70,13 +73,18 @@ class VLMGRPOConfig(GRPOConfig):
     )
     min_pixels: int | None = field(
         default=None,
-        metadata={"help": "Smallest image area (pixels) fed to the processor; smaller images are upscaled. None: the "
-                  "budget given to FastBaseVisionModel.from_pretrained, else no lower bound."},
+        metadata={"help": "Smallest image area (pixels) the model is fed; smaller images are upscaled. Qwen2/2.5/3-VL: "
+                  "written into the processor's own budget (size['shortest_edge']), replacing its value (logged). "
+                  "None: the processor's own (Qwen-VL, e.g. from FastVisionModel.from_pretrained(min_pixels=...)), "
+                  "else no lower bound."},
     )  # fmt: skip
     max_pixels: int | None = field(
         default=None,
-        metadata={"help": "Largest image area (pixels) fed to the processor; larger images are downscaled, aspect "
-                  "ratio kept. Bounds memory per image. None: the from_pretrained budget, else no bound."},
+        metadata={"help": "Largest image area (pixels) the model is fed; larger images are downscaled, aspect ratio "
+                  "kept. Qwen2/2.5/3-VL: written into the processor's own budget (size['longest_edge']), replacing "
+                  "its value (logged), so it bounds the image tokens. Gemma 3 / Idefics3 resize images to their own "
+                  "input size after it, so there it bounds detail, not tokens. None: the processor's own (Qwen-VL), "
+                  "else no bound."},
     )  # fmt: skip
     check_images: bool = field(
         default=True,
@@ -113,8 +121,7 @@ class VLMGRPOConfig(GRPOConfig):
     def __post_init__(self) -> None:
         if self.bf16 is None:
             self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()) and not self.fp16
-        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
-            raise ValueError(f"min_pixels ({self.min_pixels}) is larger than max_pixels ({self.max_pixels}).")
+        check_pixel_budget(self.min_pixels, self.max_pixels)
         super().__post_init__()
 
 
@@ -203,14 +210,11 @@ class VLMGRPOTrainer(GRPOTrainer):
     ) -> None:
         if args is None:
             args = VLMGRPOConfig(output_dir="vlm-grpo-output")
-        min_pixels, max_pixels = getattr(args, "min_pixels", None), getattr(args, "max_pixels", None)
         if isinstance(model, str):
             model, loaded_processor = FastBaseVisionModel.from_pretrained(
                 model,
                 full_finetuning=kwargs.get("peft_config") is None,
                 use_gradient_checkpointing=args.gradient_checkpointing,
-                min_pixels=min_pixels,
-                max_pixels=max_pixels,
                 **_model_init_kwargs(args, kwargs.pop("quantization_config", None)),
             )
             processing_class = processing_class or loaded_processor
@@ -218,9 +222,10 @@ class VLMGRPOTrainer(GRPOTrainer):
             processing_class = getattr(model, "_vlm_grpo_processor", None) or load_processor(
                 model.config._name_or_path, model.config.model_type
             )
-        budget = getattr(processing_class, "_vlm_grpo_pixel_budget", (None, None))
-        self.min_pixels = min_pixels if min_pixels is not None else budget[0]
-        self.max_pixels = max_pixels if max_pixels is not None else budget[1]
+        # The processor's own budget (Qwen-VL), overwritten by the config's where it sets one; else the config's.
+        self.pixel_budget = apply_pixel_budget(
+            processing_class, getattr(args, "min_pixels", None), getattr(args, "max_pixels", None)
+        )
 
         check_images = getattr(args, "check_images", True)
         skip_bad_rows = getattr(args, "skip_bad_rows", True)
@@ -259,8 +264,8 @@ class VLMGRPOTrainer(GRPOTrainer):
             **kwargs,
         )
         unwrapped = self.accelerator.unwrap_model(self.model)
-        # What training runs with when TRL's args leave checkpointing off: the model's own setting (FastVisionModel's).
-        self._model_checkpointing = getattr(unwrapped, "_vlm_grpo_gc", True) if is_checkpointing(unwrapped) else False
+        # What training runs with when TRL's args leave checkpointing off: the model's own setting, read from the model.
+        self._model_checkpointing = checkpointing_mode(unwrapped)
         if fresh_adapter and "ref" in getattr(unwrapped, "peft_config", {}):
             unwrapped.delete_adapter("ref")
             unwrapped.set_adapter("default")
@@ -293,9 +298,8 @@ class VLMGRPOTrainer(GRPOTrainer):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        raw_inputs = inputs
-        inputs = [prepare_row(row, self.min_pixels, self.max_pixels) for row in inputs]
-        inputs = add_image_sizes(raw_inputs, inputs, self.processing_class)  # grounding rewards map boxes back
+        inputs = [prepare_row(row, self.pixel_budget) for row in inputs]
+        inputs = add_image_sizes(inputs, self.processing_class)  # grounding rewards map boxes back
         return super()._generate_and_score_completions(inputs)
 
     def _generate(self, prompts: list):

@@ -1,0 +1,189 @@
+"""The image pixel budget (`min_pixels` / `max_pixels`): where it lives, and how images are fitted to it.
+
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL processors resize every image by a pixel budget themselves: ``smart_resize`` to
+sides that are multiples of patch x merge size, with an area between ``image_processor.size["shortest_edge"]`` and
+``size["longest_edge"]`` pixels. For them those two settings *are* the budget, and nothing else keeps a copy:
+
+- ``FastBaseVisionModel.from_pretrained(min_pixels=, max_pixels=)`` writes them, as
+  ``AutoProcessor.from_pretrained(..., min_pixels=, max_pixels=)`` does;
+- ``VLMGRPOConfig.min_pixels`` / ``max_pixels``, when set, overwrite them for training (a changed value is logged,
+  and checkpoints save the processor with it); ``evaluate``'s arguments do so for one call;
+- images are resized once, to the size the processor's own ``smart_resize`` gives (:meth:`PixelBudget.fit`), so the
+  processor then resizes nothing, and vLLM, which runs its own processor without our settings, sees the same image.
+
+Other processors have no pixel budget: Gemma 3 resizes every image to a fixed square, Idefics3 / SmolVLM its longest
+edge to ``size["longest_edge"]`` before cutting tiles. For them the budget is ours alone: images are fitted to it
+before the processor (:func:`vlm_grpo.images.fit_pixel_budget`), which bounds the detail the model sees but not the
+image tokens (the processor's own settings fix those). ``from_pretrained`` refuses a budget for them, since their
+processor cannot keep one.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from PIL import Image
+
+from .images import check_pixel_budget, fit_pixel_budget
+
+__all__ = [
+    "PixelBudget",
+    "apply_pixel_budget",
+    "fed_size",
+    "pixel_budget_for_call",
+    "processor_pixel_budget",
+    "resizes_by_pixel_budget",
+    "set_processor_pixel_budget",
+]
+
+logger = logging.getLogger(__name__)
+
+# The Qwen2-VL image processors (PIL and torchvision), which Qwen2.5-VL and Qwen3-VL checkpoints use too.
+_BUDGET_MODULE = "transformers.models.qwen2_vl."
+# Where those processors keep the budget: size["shortest_edge"] is min_pixels, size["longest_edge"] max_pixels.
+_KEYS = {"min_pixels": "shortest_edge", "max_pixels": "longest_edge"}
+
+
+def _image_processor(processor: Any) -> Any:
+    return getattr(processor, "image_processor", processor)
+
+
+def _budget_class(image_processor: Any) -> type | None:
+    return next((c for c in type(image_processor).__mro__ if c.__module__.startswith(_BUDGET_MODULE)), None)
+
+
+def resizes_by_pixel_budget(processor: Any) -> bool:
+    """Whether `processor` (or its image processor) resizes every image by a pixel budget of its own (Qwen-VL)."""
+    return _budget_class(_image_processor(processor)) is not None
+
+
+def processor_pixel_budget(processor: Any) -> tuple[int, int] | None:
+    """`(min_pixels, max_pixels)` the processor resizes every image into, or None when it has no pixel budget."""
+    if not resizes_by_pixel_budget(processor):
+        return None
+    size = _image_processor(processor).size
+    return int(size["shortest_edge"]), int(size["longest_edge"])
+
+
+def set_processor_pixel_budget(
+    processor: Any, min_pixels: int | None = None, max_pixels: int | None = None
+) -> dict[str, tuple[int, int]]:
+    """Write a pixel budget into a processor that resizes by one; a bound given as None keeps the processor's value.
+
+    Returns the values that changed, ``{"max_pixels": (old, new), ...}``. Raises ValueError for a processor without a
+    pixel budget (naming what to do instead), or when the resulting budget is invalid (min above max).
+    """
+    check_pixel_budget(min_pixels, max_pixels)
+    if min_pixels is None and max_pixels is None:
+        return {}
+    current = processor_pixel_budget(processor)
+    if current is None:
+        name = type(_image_processor(processor)).__name__
+        raise ValueError(
+            f"{name} has no pixel budget to set: it resizes every image to its own input size (its `size` setting), "
+            "so min_pixels / max_pixels here would be lost. Fit images to a budget before it with "
+            "VLMGRPOConfig(min_pixels=..., max_pixels=...) for training and evaluate(..., max_pixels=...), or change "
+            "the image processor's own `size`."
+        )
+    new = dict(zip(_KEYS, current))
+    new.update({k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None})
+    if new["min_pixels"] > new["max_pixels"]:
+        raise ValueError(
+            f"min_pixels ({new['min_pixels']}) is larger than max_pixels ({new['max_pixels']}) once combined with the "
+            f"processor's own budget {current}; set both."
+        )
+    size = _image_processor(processor).size
+    changed = {}
+    for (name, key), old in zip(_KEYS.items(), current):
+        if new[name] != old:
+            size[key] = new[name]  # a dict in some transformers releases, a SizeDict (item assignment too) in others
+            changed[name] = (old, new[name])
+    return changed
+
+
+def fed_size(image_processor: Any, width: int, height: int) -> tuple[int, int] | None:
+    """``(width, height)`` a Qwen-VL image processor resizes a ``width`` x ``height`` image to, with its own
+    ``smart_resize`` and settings; None for a processor without a pixel budget (Gemma 3, Idefics3)."""
+    cls = _budget_class(image_processor)
+    if cls is None:
+        return None
+    smart_resize = sys.modules[cls.__module__].smart_resize
+    min_pixels, max_pixels = processor_pixel_budget(image_processor)
+    factor = image_processor.patch_size * image_processor.merge_size
+    fed_height, fed_width = smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    return int(fed_width), int(fed_height)
+
+
+@dataclass(frozen=True)
+class PixelBudget:
+    """The budget images are held to before they reach the processor, and who applies it.
+
+    `image_processor` is set when the processor resizes by this budget itself (its settings are then the budget and
+    `min_pixels` / `max_pixels` a copy for reading); None when the budget is ours alone (or there is none).
+    """
+
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    image_processor: Any = None
+
+    def fit(self, image: Image.Image) -> Image.Image:
+        """`image` at the size the model is fed: the processor's own `smart_resize` size where it resizes by a budget
+        (so it resizes nothing itself), else fitted to `min_pixels` / `max_pixels` (aspect kept). Never modified."""
+        if self.image_processor is None:
+            return fit_pixel_budget(image, self.min_pixels, self.max_pixels)
+        size = fed_size(self.image_processor, image.width, image.height)
+        if size == image.size:
+            return image
+        resample = getattr(self.image_processor, "resample", None)
+        return image.resize(size, resample if isinstance(resample, int) else Image.Resampling.BICUBIC)
+
+
+def apply_pixel_budget(
+    processor: Any, min_pixels: int | None = None, max_pixels: int | None = None, *, source: str = "VLMGRPOConfig"
+) -> PixelBudget:
+    """Put a budget where it acts and return the :class:`PixelBudget` images are fitted with before `processor`.
+
+    A processor that resizes by a budget gets the non-None bounds written into it (a changed value is logged as set
+    by `source`); otherwise the budget is ours to apply, and a warning says once that it bounds image detail, not the
+    image tokens, which such processors fix themselves.
+    """
+    check_pixel_budget(min_pixels, max_pixels)
+    if resizes_by_pixel_budget(processor):
+        changed = set_processor_pixel_budget(processor, min_pixels, max_pixels)
+        for name, (old, new) in changed.items():
+            logger.warning(
+                "%s.%s=%d replaces the processor's %s=%d (image_processor.size[%r]); the processor keeps the new value "
+                "and is saved with it.", source, name, new, name, old, _KEYS[name],
+            )  # fmt: skip
+        current = processor_pixel_budget(processor)
+        return PixelBudget(*current, image_processor=_image_processor(processor))
+    if min_pixels is not None or max_pixels is not None:
+        logger.warning(
+            "%s resizes every image to its own input size, so %s's min_pixels=%s / max_pixels=%s bound the detail of "
+            "each image (it is resized to the budget first) but not its image tokens; set the image processor's own "
+            "`size` for those.", type(_image_processor(processor)).__name__, source, min_pixels, max_pixels,
+        )  # fmt: skip
+    return PixelBudget(min_pixels, max_pixels)
+
+
+@contextmanager
+def pixel_budget_for_call(
+    processor: Any, min_pixels: int | None = None, max_pixels: int | None = None
+) -> Iterator[PixelBudget]:
+    """:func:`apply_pixel_budget` for the duration of a `with` block (evaluation): the processor's own budget is put
+    back afterwards, and nothing is logged, since nothing is replaced for good."""
+    check_pixel_budget(min_pixels, max_pixels)
+    before = processor_pixel_budget(processor)
+    if before is None:
+        yield PixelBudget(min_pixels, max_pixels)
+        return
+    set_processor_pixel_budget(processor, min_pixels, max_pixels)
+    try:
+        yield PixelBudget(*processor_pixel_budget(processor), image_processor=_image_processor(processor))
+    finally:
+        set_processor_pixel_budget(processor, *before)
