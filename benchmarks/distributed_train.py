@@ -104,15 +104,19 @@ def _check_export(trainer, processor, out_dir: str, full_weights) -> dict[str, f
     inputs = processor(text=["What colour is the shape ?"], return_tensors="pt").to(trainer.accelerator.device)
     result: dict[str, float] = {}
     with full_weights(trainer.model), torch.no_grad():  # every rank takes part in the gather
-        peft_logits = model(**inputs).logits.float()
-        with model.disable_adapter():
-            base_logits = model(**inputs).logits.float()
+        trained_logits = model(**inputs).logits.float()
+        base_logits = None
+        if hasattr(model, "disable_adapter"):  # LoRA: how far the adapter moves the logits, for scale
+            with model.disable_adapter():
+                base_logits = model(**inputs).logits.float()
     if trainer.accelerator.is_main_process:
         merged = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(trainer.accelerator.device)
         with torch.no_grad():
             merged_logits = merged(**inputs).logits.float()
-        result = {"merged_gap": float((merged_logits - peft_logits).abs().mean()),
-                  "adapter_effect": float((base_logits - peft_logits).abs().mean())}  # fmt: skip
+        result = {"merged_gap": float((merged_logits - trained_logits).abs().mean()),
+                  "logit_scale": float(trained_logits.abs().mean()), "architectures": merged.config.architectures}
+        if base_logits is not None:
+            result["adapter_effect"] = float((base_logits - trained_logits).abs().mean())
     trainer.accelerator.wait_for_everyone()
     return result
 

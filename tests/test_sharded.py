@@ -89,6 +89,20 @@ def test_cli_under_two_processes_writes_one_complete_final_model(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.trains
+def test_fsdp2_full_fine_tuning_trains_and_exports_the_unwrapped_architecture(tmp_path):
+    script = os.path.join(ROOT, "benchmarks", "distributed_train.py")
+    _launch([script, str(tmp_path), "--full", "--steps", "2", "--lr", "1e-4", "--export"], 29575, config="fsdp2.yaml")
+    records = _records(tmp_path)
+    assert all(r["sharding"] == "fsdp2" and r["steps"] == 2 and r["finite"] and r["resharded"] for r in records)
+    assert records[0]["checksum"] == records[1]["checksum"]
+    export = records[0]["export"]
+    # FSDP2 renames a sharded module's class (FSDPQwen2_5_VL...); the checkpoint must name the real one.
+    assert export["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    assert export["merged_gap"] < 1e-5 * export["logit_scale"]  # fp32 export of fp32 weights: the same model
+
+
+@pytest.mark.slow
+@pytest.mark.trains
 def test_two_machines_on_one_host_train_as_one_ddp_run(tmp_path):
     """`--num_machines 2 --machine_rank 0/1` meeting on localhost: the multi-node launch path, one world of two."""
     from concurrent.futures import ThreadPoolExecutor
