@@ -154,7 +154,7 @@ def main() -> None:
     # The model is built before the config: once the config has set up the process group, transformers'
     # save_pretrained writes on the main process only, and the other ranks' tiny checkpoints would lack weights.
     rank = int(os.environ.get("RANK", "0"))
-    model, processor, dataset, path = _model_and_data(
+    model, processor, dataset, _ = _model_and_data(
         args.model, args.out_dir, rank, args.image_size, args.full, args.seed,
         getattr(torch, args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")),
     )
