@@ -80,3 +80,12 @@ def test_merged_export_keeps_a_trained_modules_to_save_copy(tiny_dir, tmp_path):
     with torch.no_grad():
         reloaded = AutoModelForImageTextToText.from_pretrained(out).eval()(**inputs).logits
     torch.testing.assert_close(reloaded, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_dora_adapters_are_refused_not_merged_wrong(tiny_dir, tmp_path):
+    # Adding DoRA's delta without its magnitude rescaling would write a model that is not the trained one.
+    model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    model = FastVisionModel.get_peft_model(model, r=4, use_dora=True)
+    with pytest.raises(NotImplementedError, match=r"DoRA.*merge_and_unload"):
+        FastVisionModel.save_pretrained_merged(model, processor, tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()  # nothing half-written

@@ -55,6 +55,13 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype = torch.float16) -> d
                 continue
             prefix = f"{name}." if name else ""
             if isinstance(module, LoraLayer):
+                if any(getattr(module, "use_dora", {}).get(a) for a in module.active_adapters):
+                    # DoRA rescales each merged column by its magnitude vector; adding the delta alone would write a
+                    # checkpoint that silently differs from the trained model.
+                    raise NotImplementedError(
+                        f"{name} is a DoRA adapter, which save_pretrained_merged does not merge. Merge it with PEFT "
+                        "on a copy instead: `copy.deepcopy(model).merge_and_unload().save_pretrained(path)`."
+                    )
                 layer = module.get_base_layer()
                 weight = dequantize_module_weight(layer).float()
                 for adapter in module.active_adapters:
