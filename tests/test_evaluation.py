@@ -55,7 +55,7 @@ def test_evaluate_needs_a_reward(tiny_dir):
 
 def test_package_level_evaluate_is_the_function_even_after_submodule_imports():
     import vlm_grpo
-    import vlm_grpo.cli  # noqa: F401  (imports vlm_grpo.evaluation)
+    import vlm_grpo.cli  # imports vlm_grpo.evaluation
     from vlm_grpo.evaluation import evaluate as function
 
     assert vlm_grpo.evaluate is function and callable(vlm_grpo.evaluate)

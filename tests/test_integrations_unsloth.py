@@ -25,7 +25,7 @@ def test_importing_vlm_grpo_never_imports_unsloth_zoo():
         "from vlm_grpo import VLMGRPOTrainer, FastVisionModel\n"
         "print([m for m in sys.modules if m.startswith(('unsloth', 'unsloth_zoo'))])\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
 

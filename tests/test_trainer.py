@@ -358,7 +358,7 @@ def test_two_processes_with_accelerate_launch(tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517",
            script, str(tmp_path)]  # fmt: skip
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["world_size"] == 2 and r["steps"] == 3 and r["finite"] and r["losses"] for r in records)

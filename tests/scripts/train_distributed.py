@@ -9,11 +9,11 @@ import torch
 
 torch.set_num_threads(1)
 
-from vlm_grpo.data import answer_words, make_visual_reasoning_dataset  # noqa: E402
-from vlm_grpo.model import FastVisionModel  # noqa: E402
-from vlm_grpo.rewards import make_choice_reward  # noqa: E402
-from vlm_grpo.tiny import build_tiny_vlm  # noqa: E402
-from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer  # noqa: E402
+from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
+from vlm_grpo.model import FastVisionModel
+from vlm_grpo.rewards import make_choice_reward
+from vlm_grpo.tiny import build_tiny_vlm
+from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
 
 def main(out_dir: str, family: str = "qwen2_5_vl", steps: int = 3) -> None:
