@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps
 
+from .validation import is_int
+
 __all__ = [
     "ImageError",
     "fit_pixel_budget",
@@ -311,9 +313,9 @@ def fit_pixel_budget(
 
 def _check_budget(min_pixels: int | None, max_pixels: int | None, multiple_of: int) -> None:
     for name, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
-        if value is not None and (not _is_int(value) or value <= 0):
+        if value is not None and (not is_int(value) or value <= 0):
             raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-    if not _is_int(multiple_of) or multiple_of <= 0:
+    if not is_int(multiple_of) or multiple_of <= 0:
         raise ValueError(f"multiple_of must be a positive int, got {multiple_of!r}")
     if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
         raise ValueError(f"min_pixels ({min_pixels}) must not exceed max_pixels ({max_pixels})")
@@ -322,10 +324,6 @@ def _check_budget(min_pixels: int | None, max_pixels: int | None, multiple_of: i
             f"max_pixels ({max_pixels}) is smaller than one {multiple_of}x{multiple_of} "
             f"block; raise max_pixels to at least {multiple_of**2}"
         )
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _budget_size(
