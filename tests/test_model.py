@@ -3,6 +3,7 @@ import re
 
 import pytest
 import torch
+from conftest import image_batch
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
@@ -63,13 +64,6 @@ FLAGS = {  # (vision, language, attention, mlp) -> which EXPECTED entries
 
 def _pattern(names):
     return {re.sub(r"\.\d+\.", ".N.", re.sub(r"^base_model\.model\.", "", n)) for n in names}
-
-
-def _image_inputs(processor, n=1):
-    messages = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}]] * n
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    images = [[Image.new("RGB", (56, 56), (0, 0, 255))] for _ in range(n)]
-    return processor(text=text, images=images, return_tensors="pt", padding=True)
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -148,7 +142,7 @@ def test_save_pretrained_merged_reproduces_peft_logits(tiny_dir, tmp_path, famil
     # Non-zero lora_B (PEFT's init_lora_weights=False), so an export that dropped the adapters would differ.
     model = FastVisionModel.get_peft_model(model, r=4, init_lora_weights=False)
     FastVisionModel.for_inference(model)
-    inputs = _image_inputs(processor)
+    inputs = image_batch(processor, n=1)
     with torch.no_grad():
         peft_logits = model(**inputs).logits
         with model.disable_adapter():
