@@ -277,12 +277,27 @@ def test_mixed_zero_one_and_several_images_per_row(tiny_dir, tmp_path):
     ]
     dataset = Dataset.from_list(rows)
     model, processor = _model(tiny_dir, peft=True)
-    trainer = VLMGRPOTrainer(
+    generated = []  # (question, its images' sizes in order) for every prompt generated from
+
+    class Spy(VLMGRPOTrainer):
+        def _generate(self, prompts):
+            for prompt in prompts:
+                parts = prompt[0]["content"]
+                question = " ".join(p["text"] for p in parts if p.get("type") == "text")
+                generated.append((question, tuple(p["image"].size for p in parts if p.get("type") == "image")))
+            return super()._generate(prompts)
+
+    trainer = Spy(
         model, [choice], args=_config(tmp_path, per_device_train_batch_size=16), train_dataset=dataset,
         processing_class=processor,
     )  # fmt: skip
     trainer.train()
     _finite_losses(trainer)
+    # Every row reached generation with its own images, in its order (none dropped, none moved to another row).
+    assert len(generated) == 32 and set(generated) == {
+        ("Say red.", ()), ("What colour?", ((56, 56),)), ("What colour?", ((84, 56),)),
+        ("and first?", ((56, 56), (84, 56))),
+    }
 
 
 @pytest.mark.trains
