@@ -83,3 +83,9 @@ def lora_b_weights(model) -> dict:
 def changed_weights(model, before: dict) -> set:
     """Names of the parameters in `before` whose values in `model` differ from it."""
     return {n for n, p in model.named_parameters() if n in before and not torch.equal(p, before[n])}
+
+
+def user_turn(*parts: str | None) -> list[dict]:
+    """A chat prompt of one user message: each part a text, or None for an image placeholder."""
+    content = [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]
+    return [{"role": "user", "content": content}]

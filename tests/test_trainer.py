@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import changed_weights, lora_b_weights
+from conftest import changed_weights, lora_b_weights, user_turn
 from datasets import Dataset
 from PIL import Image
 
@@ -266,14 +266,11 @@ def test_every_image_format_trains(tiny_dir, tmp_path, kind):
 @pytest.mark.trains
 def test_mixed_zero_one_and_several_images_per_row(tiny_dir, tmp_path):
     red, blue = Image.new("RGB", (56, 56), (255, 0, 0)), Image.new("RGB", (84, 56), (0, 0, 255))
-    def user(*parts):
-        return [{"role": "user", "content": [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]}]
-
     rows = [
-        {"prompt": user("Say red."), "images": [], "answer": "red"},
-        {"prompt": user(None, "What colour?"), "images": [red], "answer": "red"},
-        {"prompt": user(None, "and", None, "first?"), "images": [red, blue], "answer": "red"},
-        {"prompt": user(None, "What colour?"), "images": [blue], "answer": "blue"},
+        {"prompt": user_turn("Say red."), "images": [], "answer": "red"},
+        {"prompt": user_turn(None, "What colour?"), "images": [red], "answer": "red"},
+        {"prompt": user_turn(None, "and", None, "first?"), "images": [red, blue], "answer": "red"},
+        {"prompt": user_turn(None, "What colour?"), "images": [blue], "answer": "blue"},
     ]
     dataset = Dataset.from_list(rows)
     model, processor = _model(tiny_dir, peft=True)
