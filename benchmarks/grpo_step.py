@@ -138,11 +138,10 @@ def _reward(prompts, completions, **kwargs):
 
 def run_worker(args) -> None:
     import torch
-
     from real_arch import build_checkpoint
 
     trainer_name = args.worker
-    if args.model == "tiny":  # CPU smoke test of this harness (tests/test_benchmarks.py)
+    if args.model == "tiny":  # CPU smoke run of this harness: `python benchmarks/grpo_step.py --model tiny`
         from vlm_grpo.tiny import build_tiny_vlm
 
         torch.set_num_threads(1)
@@ -234,10 +233,10 @@ def _markdown(summaries: dict, args, env: dict) -> str:
             f"generations, {args.completion_length} new tokens, {'full' if args.full else 'LoRA r=16 all linear'}, "
             f"gradient checkpointing {'off' if args.no_gradient_checkpointing else 'on'}, "
             f"{'4-bit' if args.load_in_4bit else 'bf16'}, beta {args.beta}; median of steps 2..{args.steps}")  # fmt: skip
-    lines = [head, "", f"GPU: {env['gpu']}; torch {env['torch']}, transformers {env['transformers']}, trl {env['trl']}, "
-             f"peft {env['peft']}", "",
-             "| trainer | step s | generation s | scoring s | training s | gen tok/s | ms/token | peak GiB | warm-up step s "
-             "| compiled graphs / steps |",
+    versions = f"torch {env['torch']}, transformers {env['transformers']}, trl {env['trl']}, peft {env['peft']}"
+    columns = ("| trainer | step s | generation s | scoring s | training s | gen tok/s | ms/token | peak GiB "
+               "| warm-up step s | compiled graphs / steps |")  # fmt: skip
+    lines = [head, "", f"GPU: {env['gpu']}; {versions}", "", columns,
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, s in summaries.items():
         lines.append(f"| {name} | {s['total_s']:.2f} | {s['generation_s']:.2f} | {s['scoring_s']:.2f} | "
@@ -280,7 +279,7 @@ def main(argv=None) -> None:
             out = os.path.join(args.out, f"worker-{name}-{round_index}.json")
             cmd = [sys.executable, os.path.abspath(__file__), *forwarded, "--worker", name, "--worker_out", out]
             start = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             print(f"[{name} round {round_index}] exit {proc.returncode} in {time.perf_counter() - start:.0f} s", flush=True)
             if proc.returncode != 0:
                 print(proc.stdout[-2000:], proc.stderr[-6000:], flush=True)

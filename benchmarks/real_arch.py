@@ -53,19 +53,14 @@ def config(name: str):
 
 def tokenizer():
     """Word-level tokenizer with Qwen2.5's vocabulary size and special-token ids (ids 0..151642 are filler words)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from vlm_grpo.tiny import build_word_level_tokenizer
 
     vocab = {w: i for i, w in enumerate(WORDS)}
     vocab.update({f"w{i}": i for i in range(len(WORDS), min(SPECIAL.values()))})
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w" + str(len(WORDS))))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.decoder = decoders.WordPiece(prefix="##", cleanup=True)
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<|endoftext|>", eos_token="<|im_end|>", padding_side="left",
-        unk_token="w" + str(len(WORDS)),
-    )  # fmt: skip
+    # The special tokens are not in `vocab`: they take the next ids, 151643 on, in SPECIAL's order.
+    tok = build_word_level_tokenizer(
+        vocab, SPECIAL, f"w{len(WORDS)}", pad_token="<|endoftext|>", eos_token="<|im_end|>"
+    )
     assert all(tok.convert_tokens_to_ids(t) == i for t, i in SPECIAL.items()), "special-token ids drifted"
     return tok
 

@@ -37,18 +37,23 @@ RUNS = {
 }
 
 
+def _read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
 def _launch(config: str, args: list[str], out: str, timeout: int, extra: list[str] = (), env=None) -> dict:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            os.path.join(ROOT, "examples", "accelerate", f"{config}.yaml"), *extra, TRAIN, out, *args]  # fmt: skip
     start = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
         rc, err = proc.returncode, proc.stderr
     except subprocess.TimeoutExpired as e:
         rc, err = "timeout", (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr)
     result = {"rc": rc, "wall_s": round(time.perf_counter() - start, 1)}
     ranks = [os.path.join(out, f) for f in sorted(os.listdir(out)) if f.startswith("rank")] if os.path.isdir(out) else []
-    result["ranks"] = [json.load(open(p)) for p in ranks]
+    result["ranks"] = [_read_json(p) for p in ranks]
     if rc != 0:
         lines = [x for x in err.splitlines() if "Error" in x or "out of memory" in x.lower()]
         result["error"] = lines[-6:] or err.splitlines()[-20:]
@@ -65,7 +70,7 @@ def _two_machines(out: str, timeout: int) -> dict:
                str(rank), "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", "29655",
                "-m", "vlm_grpo.cli", "--output_dir", out, "--max_steps", "3", "--logging_steps", "1",
                "--train_size", "32", "--test_size", "8"]  # fmt: skip
-        log = open(os.path.join(os.path.dirname(out), f"two-machines-rank{rank}.log"), "w")
+        log = open(os.path.join(os.path.dirname(out), f"two-machines-rank{rank}.log"), "w")  # noqa: SIM115 (open while the process runs)
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
     rcs = []
     for proc, log in procs:
@@ -76,7 +81,10 @@ def _two_machines(out: str, timeout: int) -> dict:
             rcs.append("timeout")
         log.close()
     metrics = os.path.join(out, "metrics.jsonl")
-    steps = [json.loads(x).get("step") for x in open(metrics)] if os.path.exists(metrics) else []
+    steps = []
+    if os.path.exists(metrics):
+        with open(metrics) as f:
+            steps = [json.loads(x).get("step") for x in f]
     final = sorted(os.listdir(os.path.join(out, "final"))) if os.path.isdir(os.path.join(out, "final")) else []
     return {"rc": rcs, "wall_s": round(time.perf_counter() - start, 1), "logged_steps": steps, "final": final}
 
@@ -104,7 +112,7 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     summary_path = os.path.join(args.out_dir, "scale_out.json")
-    summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
+    summary = _read_json(summary_path) if os.path.exists(summary_path) else {}
     for name in args.runs:
         print(f"=== {name}", flush=True)
         if name == "two-machines":

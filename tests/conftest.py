@@ -49,3 +49,43 @@ def tiny_dir(tmp_path_factory):
         return cache[key]
 
     return build
+
+
+# ----- helpers shared by test files (`from conftest import ...`) -----
+
+
+def image_batch(processor, n: int = 2, size: int = 56, seed: int = 0):
+    """Processor outputs for `n` chat prompts, each one random-pixel `size`x`size` image and a question."""
+    from PIL import Image
+
+    messages = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]}]] * n
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    g = torch.Generator().manual_seed(seed)
+    images = [[Image.fromarray((torch.rand(size, size, 3, generator=g) * 255).byte().numpy())] for _ in range(n)]
+    return processor(text=text, images=images, return_tensors="pt", padding=True)
+
+
+def lora_b_grads(model, inputs) -> dict:
+    """Every LoRA B matrix's gradient (None where none arrived) after a GRPO-style backward on `inputs`: no labels,
+    the loss built on the logits."""
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    assert out.loss is None
+    out.logits.float().logsumexp(-1).mean().backward()
+    return {n: p.grad for n, p in model.named_parameters() if "lora_B" in n}
+
+
+def lora_b_weights(model) -> dict:
+    """A copy of every LoRA B matrix, to compare with after training (`changed_weights`)."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+
+
+def changed_weights(model, before: dict) -> set:
+    """Names of the parameters in `before` whose values in `model` differ from it."""
+    return {n for n, p in model.named_parameters() if n in before and not torch.equal(p, before[n])}
+
+
+def user_turn(*parts: str | None) -> list[dict]:
+    """A chat prompt of one user message: each part a text, or None for an image placeholder."""
+    content = [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]
+    return [{"role": "user", "content": content}]

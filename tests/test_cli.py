@@ -117,18 +117,24 @@ def test_bad_input_through_the_console_script(tmp_path):
 
 
 @pytest.mark.trains
-def test_flags_load_from_yaml_and_lora_works(tmp_path):
+def test_flags_load_from_yaml_and_reach_the_run(tmp_path, capsys):
     config = tmp_path / "recipe.yaml"
     out = tmp_path / "run"
     config.write_text(
         f"model: tiny:gemma3\noutput_dir: {out}\nmax_steps: 2\ntrain_size: 8\ntest_size: 4\nuse_peft: true\n"
-        "lora_r: 4\nfinetune_language_layers: false\nlearning_rate: 0.001\ndisable_tqdm: true\n"
-        "per_device_train_batch_size: 8\nnum_generations: 4\n"
+        "lora_r: 4\nfinetune_language_layers: false\nfinetune_mlp_modules: false\nlearning_rate: 0.001\n"
+        "logging_steps: 1\ndisable_tqdm: true\nper_device_train_batch_size: 8\nnum_generations: 4\n"
     )
     results = run(*parse_args(["--config", str(config)]))
-    assert 0.0 <= results["after/accuracy"] <= 1.0
+    assert "(synthetic task 'color', 4 prompts)" in capsys.readouterr().out  # test_size
+    assert {"before/accuracy", "after/accuracy"} <= set(results)
+    steps = [r for r in _metrics(out) if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["learning_rate"] == 0.001 for r in steps)
+    # LoRA of rank 4 on the vision tower's attention only: the two finetune_* flags reached get_peft_model.
     adapter = json.loads((out / "final" / "adapter_config.json").read_text())
-    assert adapter["r"] == 4 and "vision_tower" in str(adapter["target_modules"])
+    targets = str(adapter["target_modules"])
+    assert adapter["r"] == 4 and "vision_tower" in targets and "self_attn" in targets
+    assert "language_model" not in targets and "mlp" not in targets
 
 
 # Your own data: one console-script run per format, each folding in a few checks.

@@ -41,9 +41,6 @@ def test_evaluate_scores_generations_with_the_rewards(tiny_dir):
     assert seen[0][1][:4] == [dataset[0]["answer"]] * 4  # columns are repeated per sample, in order
     # Grounding rewards get each image's size as stored and as the processor fed it (56 px is already a multiple of 28).
     assert sizes == [((56, 56), (56, 56))] * 24
-
-    real = evaluate(model, processor, dataset, [make_choice_reward(words)], num_generations=4, max_new_tokens=3)
-    assert 0.0 <= real["pass@1"] <= real["pass@2"] <= real["pass@4"] <= 1.0
     assert not model.training  # was in eval mode before, stays there
 
 
@@ -64,6 +61,23 @@ def test_evaluate_budget_holds_for_the_call_only(tiny_dir):
     assert processor_pixel_budget(processor) == before  # and the processor has its own budget back
 
 
+def test_accuracy_and_pass_at_k_count_each_rows_own_samples(tiny_dir):
+    model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl", words=answer_words("color", 1)))
+    correct = [0, 1, 2, 3, 4, 2]  # right samples of each row's 4
+    dataset = make_visual_reasoning_dataset("color", 6, seed=0, split="test").add_column("correct", correct)
+
+    def first_samples_right(prompts, completions, correct, **kwargs):
+        # The samples of a row come together (batches hold whole rows): the first `correct` of each 4 are right.
+        return [1.0 if i % 4 < c else 0.0 for i, c in enumerate(correct)]
+
+    result = evaluate(model, processor, dataset, [first_samples_right], num_generations=4, max_new_tokens=2,
+                      batch_size=4)  # fmt: skip
+    assert result["accuracy"] == sum(correct) / 24
+    for k in (1, 2, 4):
+        assert result[f"pass@{k}"] == pytest.approx(sum(pass_at_k(4, c, k) for c in correct) / 6)
+    assert result["pass@2"] == pytest.approx((0 + 0.5 + 5 / 6 + 1 + 1 + 5 / 6) / 6)  # the definition, by hand
+
+
 def test_evaluate_needs_a_reward(tiny_dir):
     model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
     with pytest.raises(ValueError, match="at least one reward"):
@@ -72,7 +86,7 @@ def test_evaluate_needs_a_reward(tiny_dir):
 
 def test_package_level_evaluate_is_the_function_even_after_submodule_imports():
     import vlm_grpo
-    import vlm_grpo.cli  # noqa: F401  (imports vlm_grpo.evaluation)
+    import vlm_grpo.cli  # imports vlm_grpo.evaluation
     from vlm_grpo.evaluation import evaluate as function
 
     assert vlm_grpo.evaluate is function and callable(vlm_grpo.evaluate)

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from PIL import Image
+from conftest import image_batch, lora_b_grads
 from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPast
 
 from vlm_grpo.hooks import (
@@ -11,22 +11,6 @@ from vlm_grpo.hooks import (
 )
 from vlm_grpo.model import FastVisionModel
 from vlm_grpo.tiny import TINY_FAMILIES
-
-
-def _batch(processor):
-    messages = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]}]] * 2
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    g = torch.Generator().manual_seed(0)
-    images = [[Image.fromarray((torch.rand(56, 56, 3, generator=g) * 255).byte().numpy())] for _ in range(2)]
-    return processor(text=text, images=images, return_tensors="pt", padding=True)
-
-
-def _lora_b_grads(model, processor):
-    model.zero_grad(set_to_none=True)
-    out = model(**_batch(processor))
-    assert out.loss is None  # GRPO-style forward: no labels, the loss is built on logits
-    out.logits.float().logsumexp(-1).mean().backward()
-    return {n: p.grad for n, p in model.named_parameters() if "lora_B" in n}
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -42,7 +26,7 @@ def test_every_lora_b_gets_gradient_under_checkpointing(tiny_dir, family, mode, 
         use_gradient_checkpointing=mode,
     )
     assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
-    grads = _lora_b_grads(model, processor)
+    grads = lora_b_grads(model, image_batch(processor))
     assert grads, "no LoRA layers were added"
     zero = [n for n, g in grads.items() if g is None or not g.abs().sum() > 0]
     assert not zero, f"lora_B without gradient: {zero}"
@@ -59,11 +43,11 @@ def test_without_hooks_reentrant_vision_lora_gets_no_gradient(tiny_dir):
     # transformers >= 5.x adds its own input-grad hooks (embeddings, patch embedding) under reentrant
     # checkpointing; remove them too to recreate the frozen-input setup of Unsloth and older stacks.
     model.disable_input_require_grads()
-    starved = _lora_b_grads(model, processor)
+    starved = lora_b_grads(model, image_batch(processor))
     in_blocks = {n: g for n, g in starved.items() if ".visual.blocks." in n}  # the checkpointed vision blocks
     assert in_blocks and all(g is None or not g.abs().sum() > 0 for g in in_blocks.values())
     enable_requires_grad_hooks(model)
-    grads = _lora_b_grads(model, processor)
+    grads = lora_b_grads(model, image_batch(processor))
     assert all(g is not None and g.abs().sum() > 0 for g in grads.values())
 
 

@@ -213,9 +213,44 @@ def test_cmyk_jpeg(tmp_path: Path) -> None:
     assert out.mode == "RGB" and r > 200 and g < 60 and b < 60
 
 
-@pytest.mark.parametrize("mode", ["1", "L", "YCbCr", "LAB", "HSV", "I;16", "PA", "La", "RGBa"])
-def test_other_modes_become_rgb(mode: str) -> None:
-    assert normalize_image(Image.new(mode, (3, 2))).mode == "RGB"
+def _in_mode(mode: str, rgba: tuple[int, int, int, int] = (200, 30, 60, 255)) -> Image.Image:
+    """A 3x2 image of one colour in `mode`, made by Pillow's own conversion from RGB(A)."""
+    if mode == "PA":  # palette index 1 is the colour, alpha from `rgba`
+        img = Image.new("P", (3, 2), 1)
+        img.putpalette([0, 0, 0, *rgba[:3]] + [0] * 762)
+        pa = img.convert("PA")
+        pa.putalpha(rgba[3])
+        return pa
+    rgba_image = Image.new("RGBA", (3, 2), rgba)
+    if mode == "La":  # Pillow's RGBA -> La conversion drops the alpha; LA -> La keeps it
+        return rgba_image.convert("LA").convert("La")
+    return rgba_image.convert(mode)
+
+
+def _on_white(value: int, alpha: int) -> int:
+    return round(value * alpha / 255 + 255 * (1 - alpha / 255))
+
+
+@pytest.mark.parametrize(
+    ("image", "expected"),
+    [
+        (Image.new("1", (3, 2), 1), (255, 255, 255)),  # 1-bit white is 255, not 1
+        (Image.new("L", (3, 2), 100), (100, 100, 100)),
+        (Image.new("I;16", (3, 2), 257 * 100), (100, 100, 100)),  # scaled, not clipped to 255
+        (_in_mode("YCbCr"), (200, 30, 60)),  # converted, not its channels read as R, G, B
+        (_in_mode("LAB"), (200, 30, 60)),
+        (_in_mode("HSV"), (200, 30, 60)),
+        (_in_mode("PA"), (200, 30, 60)),
+        (_in_mode("PA", (200, 30, 60, 128)), tuple(_on_white(v, 128) for v in (200, 30, 60))),
+        (_in_mode("RGBa", (200, 30, 60, 128)), tuple(_on_white(v, 128) for v in (200, 30, 60))),  # premultiplied
+        (_in_mode("La", (100, 100, 100, 128)), (_on_white(100, 128),) * 3),
+    ],
+    ids=["1", "L", "I;16", "YCbCr", "LAB", "HSV", "PA", "PA-half-alpha", "RGBa-half-alpha", "La-half-alpha"],
+)
+def test_other_modes_keep_their_colour_in_rgb(image: Image.Image, expected: tuple[int, int, int]) -> None:
+    out = normalize_image(image)
+    assert out.mode == "RGB" and out.size == (3, 2)
+    assert np.abs(np.asarray(out, dtype=int) - expected).max() <= 3, (out.getpixel((0, 0)), expected)
 
 
 def test_normalize_does_not_mutate(rgb: Image.Image) -> None:
@@ -287,6 +322,7 @@ def test_load_rgb_images_shapes(rgb: Image.Image, png_path: Path) -> None:
     assert one.mode == "RGB" and one.size == rgb.size
     mixed = load_rgb_images([rgb, str(png_path), _encode(rgb), np.zeros((2, 2, 3), np.uint8)])
     assert [im.mode for im in mixed] == ["RGB"] * 4
+    assert [im.getpixel((0, 0)) for im in mixed] == [(200, 100, 50)] * 3 + [(0, 0, 0)]  # each its own, in order
 
 
 def test_load_rgb_images_names_bad_index(rgb: Image.Image) -> None:

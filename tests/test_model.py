@@ -3,6 +3,7 @@ import re
 
 import pytest
 import torch
+from conftest import image_batch
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
@@ -13,6 +14,7 @@ LANG_ATTN = {f"model.language_model.layers.N.self_attn.{p}_proj" for p in "qkvo"
 LANG_MLP = {f"model.language_model.layers.N.mlp.{p}_proj" for p in ("gate", "up", "down")}
 SIGLIP_ATTN = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"}
 # The layers each flag must select, per family: (vision attention, vision MLP, language attention, language MLP).
+# fmt: off
 EXPECTED = {
     "qwen2_5_vl": (
         {"model.visual.blocks.N.attn.qkv", "model.visual.blocks.N.attn.proj"},
@@ -27,7 +29,7 @@ EXPECTED = {
          "model.visual.merger.mlp.2"},
         LANG_ATTN,
         LANG_MLP,
-    ),  # fmt: skip
+    ),
     "qwen3_vl": (
         {"model.visual.blocks.N.attn.qkv", "model.visual.blocks.N.attn.proj"},
         {"model.visual.blocks.N.mlp.linear_fc1", "model.visual.blocks.N.mlp.linear_fc2",
@@ -35,7 +37,7 @@ EXPECTED = {
          "model.visual.deepstack_merger_list.N.linear_fc1", "model.visual.deepstack_merger_list.N.linear_fc2"},
         LANG_ATTN,
         LANG_MLP,
-    ),  # fmt: skip
+    ),
     "gemma3": (
         {f"model.vision_tower.encoder.layers.N.{p}" for p in SIGLIP_ATTN},
         {"model.vision_tower.encoder.layers.N.mlp.fc1", "model.vision_tower.encoder.layers.N.mlp.fc2"},
@@ -48,8 +50,9 @@ EXPECTED = {
          "model.connector.modality_projection.proj"},
         {n.replace("language_model", "text_model") for n in LANG_ATTN},
         {n.replace("language_model", "text_model") for n in LANG_MLP},
-    ),  # fmt: skip
+    ),
 }
+# fmt: on
 FLAGS = {  # (vision, language, attention, mlp) -> which EXPECTED entries
     "vision_attention": ((True, False, True, False), (0,)),
     "vision_mlp": ((True, False, False, True), (1,)),
@@ -61,13 +64,6 @@ FLAGS = {  # (vision, language, attention, mlp) -> which EXPECTED entries
 
 def _pattern(names):
     return {re.sub(r"\.\d+\.", ".N.", re.sub(r"^base_model\.model\.", "", n)) for n in names}
-
-
-def _image_inputs(processor, n=1):
-    messages = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}]] * n
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    images = [[Image.new("RGB", (56, 56), (0, 0, 255))] for _ in range(n)]
-    return processor(text=text, images=images, return_tensors="pt", padding=True)
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -170,7 +166,7 @@ def test_save_pretrained_merged_reproduces_peft_logits(tiny_dir, tmp_path, famil
     # Non-zero lora_B (PEFT's init_lora_weights=False), so an export that dropped the adapters would differ.
     model = FastVisionModel.get_peft_model(model, r=4, init_lora_weights=False)
     FastVisionModel.for_inference(model)
-    inputs = _image_inputs(processor)
+    inputs = image_batch(processor, n=1)
     with torch.no_grad():
         peft_logits = model(**inputs).logits
         with model.disable_adapter():
@@ -235,17 +231,23 @@ def test_quantisation_without_bitsandbytes_names_the_extra(tiny_dir, monkeypatch
 
 def test_lora_bad_arguments(tiny_dir):
     model, _ = FastVisionModel.from_pretrained(tiny_dir("gemma3"))
-    with pytest.raises(ValueError, match="both False"):
+    with pytest.raises(ValueError, match="finetune_vision_layers and finetune_language_layers are both False"):
         FastVisionModel.get_peft_model(model, finetune_vision_layers=False, finetune_language_layers=False)
+    with pytest.raises(ValueError, match="finetune_attention_modules and finetune_mlp_modules are both False"):
+        select_lora_modules(model, finetune_attention_modules=False, finetune_mlp_modules=False)
     for r in (0, -4):
         with pytest.raises(ValueError, match="positive integer"):
             FastVisionModel.get_peft_model(model, r=r)
+    with pytest.raises(TypeError, match="positive integer"):  # a bool is an int to Python: True would train r=1
+        FastVisionModel.get_peft_model(model, r=True)
     with pytest.raises(ValueError, match=r"\['not_a_layer'\] match no module"):
         FastVisionModel.get_peft_model(model, target_modules=["q_proj", "not_a_layer"])
     with pytest.raises(ValueError, match="matches no Linear"):
         FastVisionModel.get_peft_model(model, target_modules=r".*\.nothing_here")
     with pytest.raises(ValueError, match="use_gradient_checkpointing"):
         FastVisionModel.get_peft_model(model, use_gradient_checkpointing="sometimes")
+    with pytest.raises(TypeError, match="already has LoRA adapters"):
+        FastVisionModel.get_peft_model(FastVisionModel.get_peft_model(model, r=4), r=4)
 
 
 @pytest.mark.parametrize(

@@ -69,8 +69,12 @@ def test_rewards_pickle_for_trls_async_worker() -> None:
     assert pickle.loads(pickle.dumps(exact))(None, ["<answer>1</answer>"], answer=["1"]) == [1.0]
 
 
-def test_every_reward_returns_one_value_per_completion() -> None:
+def test_every_reward_scores_each_completion_against_its_own_row() -> None:
+    # One string and one chat completion; each reward pays exactly one of them, so a value for the wrong row (or a
+    # chat completion not read) would show.
     completions = ["<think>t</think><answer>A</answer>", [{"role": "assistant", "content": "[0, 0, 1, 1]"}]]
     columns = {"answer": ["A", "B"], "bbox": [[0, 0, 1, 1]] * 2, "completion_ids": [[1], [2]]}
-    for fn in (R.think_answer_format, R.multiple_choice, R.anls, R.iou, R.iou_threshold, R.answer_accuracy):
-        assert len(fn(["p", "q"], completions, **columns)) == 2
+    for fn in (R.think_answer_format, R.multiple_choice, R.anls, R.answer_accuracy):
+        assert fn(["p", "q"], completions, **columns) == [1.0, 0.0], fn.__name__
+    for fn in (R.iou, R.iou_threshold):
+        assert fn(["p", "q"], completions, **columns) == [0.0, 1.0], fn.__name__

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from conftest import user_turn
 from datasets import Dataset
 from PIL import Image
 from trl import GRPOTrainer
@@ -25,22 +26,17 @@ def _zero_reward(prompts, completions, **kwargs):
     return [0.0] * len(completions)
 
 
-def _user(*parts):
-    return [
-        {"role": "user", "content": [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]}
-    ]
-
-
 def _rows(family):
     side = 64 if family == "qwen3_vl" else 56
     red, green = Image.new("RGB", (side, side), (255, 0, 0)), Image.new("RGB", (side, side), (0, 255, 0))
     wide_blue = Image.new("RGB", (side * 3 // 2, side), (0, 0, 255))
-    text, one = {"prompt": _user("Say red."), "images": []}, {"prompt": _user(None, "What colour?"), "images": [red]}
-    two = {"prompt": _user(None, "and", None, "first?"), "images": [red, wide_blue]}
+    text = {"prompt": user_turn("Say red."), "images": []}
+    one = {"prompt": user_turn(None, "What colour?"), "images": [red]}
+    two = {"prompt": user_turn(None, "and", None, "first?"), "images": [red, wide_blue]}
     # Same tokens as `one` / `two` (for Gemma3 / Idefics3 `swapped` too: they resize every image), other pixels:
     # the shared path must tell them apart by their pixels. Each appears once (a group of one).
-    other_pixels = {"prompt": _user(None, "What colour?"), "images": [green]}
-    swapped = {"prompt": _user(None, "and", None, "first?"), "images": [wide_blue, red]}
+    other_pixels = {"prompt": user_turn(None, "What colour?"), "images": [green]}
+    swapped = {"prompt": user_turn(None, "and", None, "first?"), "images": [wide_blue, red]}
     # 9 images in 8 rows: TRL's split_pixel_values_by_grid takes Idefics3's per-row pixel_values for per-image ones
     # when the image count equals the row count, and then shuffles images away from their rows.
     return [text, text, one, one, two, two, other_pixels, swapped]

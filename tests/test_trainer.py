@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import changed_weights, lora_b_weights, user_turn
 from datasets import Dataset
 from PIL import Image
 
@@ -19,14 +20,17 @@ COLORS = answer_words("color", 1)
 choice = make_choice_reward(COLORS)
 
 
-def _config(tmp_path, **kw):
+def _config_kwargs(tmp_path, **kw):
     base = dict(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4, max_completion_length=4,
         learning_rate=5e-4, max_steps=2, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
         disable_tqdm=True, seed=0,
     )  # fmt: skip
-    base.update(kw)
-    return VLMGRPOConfig(**base)
+    return {**base, **kw}
+
+
+def _config(tmp_path, **kw):
+    return VLMGRPOConfig(**_config_kwargs(tmp_path, **kw))
 
 
 def _model(tiny_dir, family="qwen2_5_vl", peft=False, **kw):
@@ -79,7 +83,7 @@ def _length(prompts, completions, **kwargs):
 @pytest.mark.trains
 def test_vision_lora_changes_under_checkpointing_and_reference_is_the_base(tiny_dir, tmp_path):
     model, processor = _model(tiny_dir, peft=True, finetune_language_layers=False, use_gradient_checkpointing=True)
-    before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+    before = lora_b_weights(model)
     assert before and all(".visual." in n for n in before)
     train = make_visual_reasoning_dataset("color", 16, seed=0)
     # Completion length varies within a group from the first step, so advantages (and updates) are non-zero.
@@ -92,8 +96,7 @@ def test_vision_lora_changes_under_checkpointing_and_reference_is_the_base(tiny_
     assert trainer.beta == 0.04
     trainer.train()
     _finite_losses(trainer)
-    changed = [n for n, p in trainer.model.named_parameters() if n in before and not torch.equal(p, before[n])]
-    assert changed and len(changed) == len(before)
+    assert changed_weights(trainer.model, before) == set(before)
     assert any(getattr(m, "gradient_checkpointing", False) for m in trainer.model.modules())
 
 
@@ -109,35 +112,117 @@ def test_pretrained_adapter_keeps_trl_reference_copy(tiny_dir, tmp_path):
     _finite_losses(trainer)
 
 
-LOSS_SETTINGS = {
-    "grpo": dict(loss_type="grpo"),
-    "dapo": dict(loss_type="dapo"),
-    "dr_grpo": dict(loss_type="dr_grpo"),
-    "bnpo": dict(loss_type="bnpo"),
-    "gspo": dict(importance_sampling_level="sequence", loss_type="grpo"),
-    "num_iterations": dict(num_iterations=2, steps_per_generation=2, gradient_accumulation_steps=2),
-    "scale_rewards_none": dict(scale_rewards="none"),
-    "scale_rewards_batch": dict(scale_rewards="batch"),
-    "reward_weights_and_log_completions": dict(reward_weights=[1.0, 0.5], log_completions=True),
+# ----- TRL's settings reach TRL's loss, advantages and batching -----
+
+# Two prompts as strings (TRL's standard format: the rewards get string completions), one image each.
+STRING_ROWS = [{"prompt": f"What colour is shape {i}?", "image": Image.new("RGB", (56, 56), c), "answer": a}
+               for i, (c, a) in enumerate([((255, 0, 0), "red"), ((0, 0, 255), "blue")])]  # fmt: skip
+
+
+def _vowels(prompts, completions, **kwargs):
+    return [float(sum(ch in "aeiou" for ch in c)) for c in completions]
+
+
+def _generated_batch(trainer, generations=4):
+    """TRL's training batch for STRING_ROWS (each prompt `generations` times, as TRL's sampler repeats them)."""
+    torch.manual_seed(0)
+    trainer.model.train()
+    return trainer._generate_and_score_completions([row for row in STRING_ROWS for _ in range(generations)])
+
+
+def _loss(trainer, inputs):
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train; the loss divides by it
+    return trainer.compute_loss(trainer.model, inputs)
+
+
+LOSS_SETTINGS = {  # TRL's default is dapo
+    "grpo": {"loss_type": "grpo"},
+    "bnpo": {"loss_type": "bnpo"},
+    "dr_grpo": {"loss_type": "dr_grpo"},
+    "dapo": {"loss_type": "dapo"},
+    "gspo": {"loss_type": "grpo", "importance_sampling_level": "sequence"},
 }
 
 
-@pytest.mark.parametrize("setting", LOSS_SETTINGS)
 @pytest.mark.trains
-def test_trl_features_keep_working(tiny_dir, tmp_path, setting):
+def test_every_loss_setting_gives_trls_own_loss_on_the_same_batch(tiny_dir, tmp_path):
+    """VLMGRPOTrainer's loss (shared-prefix log-probs, VLM config) equals trl.GRPOTrainer's on one batch, for each
+    loss setting, and the batch tells the settings apart: a setting lost on the way to TRL's loss would show."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    dataset = Dataset.from_list(STRING_ROWS)
+    settings = {"beta": 0.04, "max_completion_length": 8, "per_device_train_batch_size": 8}
+
+    def ours(**setting):
+        model, processor = _model(tiny_dir, peft=True)
+        args = _config(tmp_path, **settings, **setting)
+        return VLMGRPOTrainer(model, [_length], args=args, train_dataset=dataset, processing_class=processor)
+
+    def trls(**setting):
+        model, processor = _model(tiny_dir, peft=True)
+        args = GRPOConfig(**_config_kwargs(tmp_path, **settings, **setting), bf16=False)
+        return GRPOTrainer(model, [_length], args=args, train_dataset=dataset, processing_class=processor)
+
+    inputs = _generated_batch(ours())
+    assert inputs["completion_mask"].sum(1).unique().numel() > 1  # lengths differ: the normalisations differ
+    # Off-policy: the batch's old log-probs differ from the policy's (a fresh adapter: the policy is the reference),
+    # so importance ratios, clipping and GSPO's sequence-level weights take part in the loss.
+    noise = 0.3 * torch.randn(inputs["ref_per_token_logps"].shape, generator=torch.Generator().manual_seed(1))
+    inputs["old_per_token_logps"] = inputs["ref_per_token_logps"] + noise
+    losses = {}
+    for name, setting in LOSS_SETTINGS.items():
+        got, expected = (_loss(trainer, inputs) for trainer in (ours(**setting), trls(**setting)))
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6, msg=name)
+        losses[name] = round(got.item(), 5)
+    # dapo normalises by the generation batch's token count, which on one process with no accumulation is bnpo's.
+    assert losses["dapo"] == losses["bnpo"]
+    assert len({losses[name] for name in ("grpo", "bnpo", "dr_grpo", "gspo")}) == 4, losses
+
+
+@pytest.mark.trains
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_advantages_come_from_each_completions_own_weighted_rewards(tiny_dir, tmp_path, scale_rewards):
     model, processor = _model(tiny_dir, peft=True)
-    train = make_visual_reasoning_dataset("color", 16, seed=0)
+    args = _config(tmp_path, reward_weights=[1.0, 0.5], scale_rewards=scale_rewards, max_completion_length=8)
+    trainer = VLMGRPOTrainer(model, [_length, _vowels], args=args, train_dataset=Dataset.from_list(STRING_ROWS),
+                             processing_class=processor)  # fmt: skip
+    inputs = _generated_batch(trainer)
+    ids = [row[mask.bool()] for row, mask in zip(inputs["completion_ids"], inputs["completion_mask"])]
+    texts = processor.batch_decode(ids, skip_special_tokens=True)
+    # TRL's advantages, computed here from the completions the batch holds: weighted sum, centred per prompt group,
+    # scaled by the group's or the batch's standard deviation (or not at all).
+    lengths, vowels = (torch.tensor(f(None, texts)).view(2, 4) for f in (_length, _vowels))
+    rewards = lengths + 0.5 * vowels
+    centred = rewards - rewards.mean(1, keepdim=True)
+    scale = {"group": rewards.std(1, keepdim=True) + 1e-4, "batch": rewards.std() + 1e-4, "none": 1.0}[scale_rewards]
+    torch.testing.assert_close(inputs["advantages"], (centred / scale).flatten())
+    assert centred.abs().sum() > 0 and not torch.allclose(vowels, lengths)  # both rewards and the weights matter
 
-    def length_penalty(prompts, completions, **kwargs):
-        return [-0.1 * len(str(c)) for c in completions]
 
-    trainer = VLMGRPOTrainer(
-        model, [choice, length_penalty], args=_config(tmp_path, **LOSS_SETTINGS[setting]), train_dataset=train,
-        processing_class=processor,
-    )  # fmt: skip
+@pytest.mark.trains
+def test_num_iterations_trains_twice_on_each_generated_batch(tiny_dir, tmp_path):
+    model, processor = _model(tiny_dir, peft=True)
+    trainer = VLMGRPOTrainer(model, [_length], args=_config(tmp_path, max_steps=4, num_iterations=2),
+                             train_dataset=Dataset.from_list(STRING_ROWS), processing_class=processor)  # fmt: skip
     trainer.train()
-    _finite_losses(trainer)
-    assert any("rewards/length_penalty/mean" in h for h in trainer.state.log_history)
+    assert len(_finite_losses(trainer)) == 4
+    assert trainer.fast_generator.stats["calls"] == 2  # steps 1 and 3 generate; steps 2 and 4 reuse their batch
+
+
+@pytest.mark.trains
+def test_log_completions_table_pairs_each_completion_with_its_rewards(tiny_dir, tmp_path):
+    import pandas as pd
+
+    model, processor = _model(tiny_dir, peft=True)
+    trainer = VLMGRPOTrainer(model, [_length, _vowels], args=_config(tmp_path, max_steps=1, log_completions=True),
+                             train_dataset=Dataset.from_list(STRING_ROWS), processing_class=processor)  # fmt: skip
+    trainer.train()
+    # TRL's table (what wandb / trackio show) holds the chat form the model saw; the rewards got the strings.
+    table = pd.read_parquet(tmp_path / "out" / "completions" / "completions_00001.parquet")
+    questions = [message[0]["content"][-1]["text"] for message in table["prompt"]]
+    assert sorted(questions) == sorted(row["prompt"] for row in STRING_ROWS for _ in range(4))
+    texts = [message[0]["content"] for message in table["completion"]]
+    assert list(table["_length"]) == _length(None, texts) and list(table["_vowels"]) == _vowels(None, texts)
 
 
 def _image_variants(tmp_path):
@@ -181,23 +266,35 @@ def test_every_image_format_trains(tiny_dir, tmp_path, kind):
 @pytest.mark.trains
 def test_mixed_zero_one_and_several_images_per_row(tiny_dir, tmp_path):
     red, blue = Image.new("RGB", (56, 56), (255, 0, 0)), Image.new("RGB", (84, 56), (0, 0, 255))
-    def user(*parts):
-        return [{"role": "user", "content": [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]}]
-
     rows = [
-        {"prompt": user("Say red."), "images": [], "answer": "red"},
-        {"prompt": user(None, "What colour?"), "images": [red], "answer": "red"},
-        {"prompt": user(None, "and", None, "first?"), "images": [red, blue], "answer": "red"},
-        {"prompt": user(None, "What colour?"), "images": [blue], "answer": "blue"},
+        {"prompt": user_turn("Say red."), "images": [], "answer": "red"},
+        {"prompt": user_turn(None, "What colour?"), "images": [red], "answer": "red"},
+        {"prompt": user_turn(None, "and", None, "first?"), "images": [red, blue], "answer": "red"},
+        {"prompt": user_turn(None, "What colour?"), "images": [blue], "answer": "blue"},
     ]
     dataset = Dataset.from_list(rows)
     model, processor = _model(tiny_dir, peft=True)
-    trainer = VLMGRPOTrainer(
+    generated = []  # (question, its images' sizes in order) for every prompt generated from
+
+    class Spy(VLMGRPOTrainer):
+        def _generate(self, prompts):
+            for prompt in prompts:
+                parts = prompt[0]["content"]
+                question = " ".join(p["text"] for p in parts if p.get("type") == "text")
+                generated.append((question, tuple(p["image"].size for p in parts if p.get("type") == "image")))
+            return super()._generate(prompts)
+
+    trainer = Spy(
         model, [choice], args=_config(tmp_path, per_device_train_batch_size=16), train_dataset=dataset,
         processing_class=processor,
     )  # fmt: skip
     trainer.train()
     _finite_losses(trainer)
+    # Every row reached generation with its own images, in its order (none dropped, none moved to another row).
+    assert len(generated) == 32 and set(generated) == {
+        ("Say red.", ()), ("What colour?", ((56, 56),)), ("What colour?", ((84, 56),)),
+        ("and first?", ((56, 56), (84, 56))),
+    }
 
 
 @pytest.mark.trains
@@ -381,8 +478,7 @@ def test_stop_and_resume_continues_the_run(tiny_dir, tmp_path):
     steps = [h["step"] for h in resumed.state.log_history if "loss" in h]
     assert steps[-2:] == [3, 4]  # continued from step 2, did not restart at 1
     assert (out / "checkpoint-4").exists()
-    changed = [n for n, p in resumed.model.named_parameters() if n in saved and not torch.equal(p, saved[n])]
-    assert changed
+    assert changed_weights(resumed.model, saved)
 
 
 # ----- issue 8: no silent failures -----

@@ -51,6 +51,14 @@ COMMON_TRAINING_FLAGS = (
 )  # fmt: skip
 
 
+def _lora_flag(name: str) -> Any:
+    """A `ScriptArguments` field for one of `vlm_grpo.lora_selection.LoraSelection`'s flags: its default and help."""
+    from .lora_selection import LoraSelection
+
+    flag = {f.name: f for f in fields(LoraSelection)}[name]
+    return field(default=flag.default, metadata={"help": f"{flag.metadata['help'].rstrip('.')} (with --use_peft)."})
+
+
 class UsageError(ValueError):
     """Bad command-line input: `main` prints it as one line and exits with status 2, as argparse does."""
 
@@ -101,8 +109,11 @@ class ScriptArguments:
     use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of all weights."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
-    finetune_vision_layers: bool = field(default=True, metadata={"help": "LoRA on the vision tower (with --use_peft)."})
-    finetune_language_layers: bool = field(default=True, metadata={"help": "LoRA on the language model (with --use_peft)."})
+    # LoRA's layer selection: LoraSelection's flags, with its defaults and help.
+    finetune_vision_layers: bool = _lora_flag("finetune_vision_layers")
+    finetune_language_layers: bool = _lora_flag("finetune_language_layers")
+    finetune_attention_modules: bool = _lora_flag("finetune_attention_modules")
+    finetune_mlp_modules: bool = _lora_flag("finetune_mlp_modules")
     load_in_4bit: bool = field(default=False, metadata={"help": "4-bit NF4 base weights (CUDA + bitsandbytes)."})
     load_in_8bit: bool = field(default=False, metadata={"help": "8-bit base weights (CUDA + bitsandbytes)."})
     eval_max_new_tokens: int = field(default=0, metadata={"help": "Tokens per held-out answer; 0: max_completion_length."})
@@ -300,6 +311,7 @@ def _own_data(script: ScriptArguments, config: Any) -> tuple[Any, Any, list[Call
     import datasets
 
     from .data.load import DatasetError, load_grpo_dataset
+    from .reward_checks import reward_name
     from .rows import check_dataset
 
     datasets.disable_progress_bars()  # casts and maps of a small dataset are not worth a bar each
@@ -326,7 +338,7 @@ def _own_data(script: ScriptArguments, config: Any) -> tuple[Any, Any, list[Call
     else:
         raise UsageError(f"--dataset {script.dataset} has no answer column (columns: {', '.join(train.column_names)}): "
                          "name it with --answer_column, or give --reward_funcs.")  # fmt: skip
-    needs_answer = [getattr(f, "__name__", "") for f in funcs if getattr(f, "__name__", "") in _ANSWER_REWARDS]
+    needs_answer = [reward_name(f) for f in funcs if reward_name(f) in _ANSWER_REWARDS]
     if needs_answer and "answer" not in train.column_names:
         raise UsageError(f"{', '.join(needs_answer)} read an `answer` column; name yours with --answer_column.")
     return train, test, funcs, os.path.basename(script.dataset.rstrip("/")) or script.dataset
@@ -407,6 +419,7 @@ def _plot(metrics_path: str, out_path: str, before: float, after: float, title: 
 
 def _load(script: ScriptArguments, config: Any) -> tuple[Any, Any]:
     from .data import answer_words
+    from .lora_selection import LoraSelection
     from .model import FastBaseVisionModel
     from .tiny import build_tiny_vlm
 
@@ -432,8 +445,7 @@ def _load(script: ScriptArguments, config: Any) -> tuple[Any, Any]:
             model,
             r=script.lora_r,
             lora_alpha=script.lora_alpha,
-            finetune_vision_layers=script.finetune_vision_layers,
-            finetune_language_layers=script.finetune_language_layers,
+            **{flag.name: getattr(script, flag.name) for flag in fields(LoraSelection)},
             use_gradient_checkpointing=config.gradient_checkpointing,
             random_state=config.seed,
         )
@@ -447,6 +459,7 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
 
     from .evaluation import evaluate
     from .export import atomic_directory
+    from .reward_checks import reward_name
     from .sharded import full_weights
     from .trainer import VLMGRPOTrainer
 
@@ -460,7 +473,7 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     eval_tokens = script.eval_max_new_tokens or config.max_completion_length
     # Greedy decoding for accuracy: what a user of the trained model gets. The first reward named *accuracy* decides
     # correctness (a format reward would call a well-formatted wrong answer correct).
-    judge = next((f for f in reward_funcs if "accuracy" in getattr(f, "__name__", "")), reward_funcs[0])
+    judge = next((f for f in reward_funcs if "accuracy" in reward_name(f)), reward_funcs[0])
     eval_funcs = [judge] + [f for f in reward_funcs if f is not judge]
     score = {"max_new_tokens": eval_tokens, "min_pixels": config.min_pixels, "max_pixels": config.max_pixels}
     before: dict[str, float] = {}

@@ -11,6 +11,7 @@ import torch
 from .image_sizes import add_image_sizes
 from .model import FastBaseVisionModel
 from .pixel_budget import pixel_budget_for_call
+from .reward_checks import reward_name
 from .rows import check_dataset, dataset_row, prepare_row, row_images
 
 __all__ = ["evaluate", "pass_at_k", "sample_completions"]
@@ -23,10 +24,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def _name(func: Callable) -> str:
-    return getattr(func, "__name__", type(func).__name__)
 
 
 @torch.no_grad()
@@ -65,14 +62,14 @@ def evaluate(
     funcs = _check_funcs(reward_funcs)
     if num_generations < 1:
         raise ValueError("num_generations must be at least 1.")
-    rewards: dict[str, list[float]] = {_name(f): [] for f in funcs}
+    rewards: dict[str, list[float]] = {reward_name(f): [] for f in funcs}
     correct_per_row: list[int] = []
     batches = _scored_batches(model, processor, dataset, funcs, num_generations, max_new_tokens, temperature,
                               batch_size, min_pixels, max_pixels, seed)  # fmt: skip
     for _, scores in batches:
         for name, values in scores.items():
             rewards[name].extend(float("nan") if v is None else float(v) for v in values)
-        first = scores[_name(funcs[0])]
+        first = scores[reward_name(funcs[0])]
         for i in range(0, len(first), num_generations):
             correct_per_row.append(sum(1 for s in first[i : i + num_generations] if s is not None and s >= correct_threshold))
 
@@ -80,7 +77,7 @@ def evaluate(
     for name, values in rewards.items():
         valid = [v for v in values if not math.isnan(v)]
         result[f"reward/{name}"] = sum(valid) / len(valid) if valid else float("nan")
-    result["mean_reward"] = sum(result[f"reward/{_name(f)}"] for f in funcs) / len(funcs)
+    result["mean_reward"] = sum(result[f"reward/{reward_name(f)}"] for f in funcs) / len(funcs)
     result["accuracy"] = sum(correct_per_row) / (len(correct_per_row) * num_generations)
     k = 1
     while k <= num_generations:
@@ -156,7 +153,7 @@ def _batches(model, processor, dataset, funcs, num_generations, max_new_tokens, 
         expanded = [dataset_row(row) for row in rows for _ in range(num_generations)]
         columns = {k: [row.get(k) for row in expanded] for k in expanded[0] if k not in ("prompt", "image", "images")}
         prompts = [row["prompt"] for row in expanded]
-        scores = {_name(func): list(func(prompts=prompts, completions=completions, **columns)) for func in funcs}
+        scores = {reward_name(func): list(func(prompts=prompts, completions=completions, **columns)) for func in funcs}
         yield completions, scores
 
 

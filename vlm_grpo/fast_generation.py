@@ -260,11 +260,11 @@ class FastGenerator:
         cache_len = -(-(width + max_new) // self.cache_bucket) * self.cache_bucket
         text_config = _text_config(model)
         window = getattr(text_config, "sliding_window", None)
-        if window is not None and "sliding_attention" in (getattr(text_config, "layer_types", None) or []):
-            if width + max_new >= window:  # the copied prefill would have to roll inside the window
-                raise FastPathUnavailable(
-                    f"prompt + completion ({width} + {max_new} tokens) exceeds the sliding window ({window})"
-                )
+        sliding = window is not None and "sliding_attention" in (getattr(text_config, "layer_types", None) or [])
+        if sliding and width + max_new >= window:  # the copied prefill would have to roll inside the window
+            raise FastPathUnavailable(
+                f"prompt + completion ({width} + {max_new} tokens) exceeds the sliding window ({window})"
+            )
 
         # Prefill the unique prompts, then copy their KV cache to every row of their group.
         prefill_cache = DynamicCache(config=model.config)

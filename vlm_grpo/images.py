@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps
 
+from .validation import is_int
+
 __all__ = [
     "ImageError",
     "check_pixel_budget",
@@ -281,14 +283,10 @@ def check_pixel_budget(min_pixels: int | None, max_pixels: int | None) -> None:
     all call it.
     """
     for name, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
-        if value is not None and (not _is_int(value) or value <= 0):
+        if value is not None and (not is_int(value) or value <= 0):
             raise ValueError(f"{name} must be a positive integer or None, got {value!r}.")
     if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
         raise ValueError(f"min_pixels ({min_pixels}) is larger than max_pixels ({max_pixels}).")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def fit_pixel_budget(img: Image.Image, min_pixels: int | None = None, max_pixels: int | None = None) -> Image.Image:

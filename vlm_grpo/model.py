@@ -21,18 +21,12 @@ from torch import nn
 
 from .hooks import VISION_TOWER_NAMES, enable_requires_grad_hooks
 from .images import check_pixel_budget
+from .lora_selection import LoraSelection, select_lora_modules
 from .pixel_budget import set_processor_pixel_budget
 from .processor import load_processor
+from .validation import is_int
 
-__all__ = ["FastBaseVisionModel", "FastVisionModel", "select_lora_modules"]
-
-# Where a module's name says it belongs (Unsloth's tags, plus the projector names of current families).
-_VISION_TAGS = ("visual", "vision", "image_encoder", "patch_embed")
-_PROJECTOR_TAGS = ("merger", "multi_modal_projector", "connector", "projector")
-_ATTENTION_TAGS = ("attn", "attention")
-_MLP_TAGS = ("mlp", "feed_forward", "ffn")
-# Modules never given LoRA by the flags: the output head (tied or huge) and the embeddings.
-_NEVER = ("lm_head", "embed_tokens", "embed", "wte")
+__all__ = ["FastBaseVisionModel", "FastVisionModel", "LoraSelection", "select_lora_modules"]
 
 _GC_CHOICES = (True, False, "unsloth", "reentrant", "non_reentrant")
 
@@ -40,42 +34,6 @@ _GC_CHOICES = (True, False, "unsloth", "reentrant", "non_reentrant")
 def _is_linear(module: nn.Module) -> bool:
     # bitsandbytes' Linear4bit / Linear8bitLt subclass nn.Linear, so quantised layers are found too.
     return isinstance(module, nn.Linear)
-
-
-def select_lora_modules(
-    model: nn.Module,
-    *,
-    finetune_vision_layers: bool = True,
-    finetune_language_layers: bool = True,
-    finetune_attention_modules: bool = True,
-    finetune_mlp_modules: bool = True,
-) -> list[str]:
-    """Names of the Linear layers the four `finetune_*` flags select, in model order.
-
-    Vision layers are the vision tower's blocks and the projector that maps image features into the
-    language model (Qwen's `merger`, Idefics3's `connector`); language layers are the decoder's
-    blocks. Attention means q/k/v/o (and fused qkv); MLP the feed-forward and projector layers. The
-    output head and embeddings are never selected (use `modules_to_save` for those).
-    """
-    selected = []
-    for name, module in model.named_modules():
-        if not _is_linear(module):
-            continue
-        parts = name.lower().split(".")
-        if any(p in _NEVER for p in parts):
-            continue
-        is_projector = any(tag in p for p in parts for tag in _PROJECTOR_TAGS)
-        is_vision = is_projector or any(tag in p for p in parts for tag in _VISION_TAGS)
-        is_attention = not is_projector and any(tag in p for p in parts for tag in _ATTENTION_TAGS)
-        is_mlp = is_projector or any(tag in p for p in parts for tag in _MLP_TAGS)
-        if not (is_attention or is_mlp):
-            continue
-        if (is_vision and not finetune_vision_layers) or (not is_vision and not finetune_language_layers):
-            continue
-        if (is_attention and not finetune_attention_modules) or (is_mlp and not finetune_mlp_modules):
-            continue
-        selected.append(name)
-    return selected
 
 
 def _looks_like_local_path(name: str) -> bool:
@@ -308,7 +266,7 @@ class FastBaseVisionModel:
     ) -> nn.Module:
         """Add LoRA adapters and return the `PeftModel`.
 
-        The four `finetune_*` flags choose the Linear layers (see `select_lora_modules`); an explicit
+        The four `finetune_*` flags choose the Linear layers (see `LoraSelection`); an explicit
         `target_modules` (list of names/suffixes, a regex, or "all-linear") overrides them. Quantised
         models are prepared for k-bit training; gradient checkpointing and the requires-grad hooks
         are switched on. `**kwargs` reach `peft.LoraConfig` (e.g. `init_lora_weights`, `use_dora`).
@@ -316,8 +274,10 @@ class FastBaseVisionModel:
         from peft import LoraConfig, PeftModel, get_peft_model
 
         if isinstance(model, PeftModel):
-            raise ValueError("This model already has LoRA adapters; call get_peft_model on the base model once.")
-        if not isinstance(r, int) or r <= 0:
+            raise TypeError("This model already has LoRA adapters; call get_peft_model on the base model once.")
+        if not is_int(r):
+            raise TypeError(f"LoRA rank r must be a positive integer, got {r!r}.")
+        if r <= 0:
             raise ValueError(f"LoRA rank r must be a positive integer, got {r!r}.")
         if lora_alpha <= 0:
             raise ValueError(f"lora_alpha must be positive, got {lora_alpha!r}.")
@@ -326,23 +286,13 @@ class FastBaseVisionModel:
         _gc_kwargs(use_gradient_checkpointing)
 
         if target_modules is None:
-            if not (finetune_vision_layers or finetune_language_layers):
-                raise ValueError(
-                    "finetune_vision_layers and finetune_language_layers are both False, so no layer would train. "
-                    "Set at least one to True (or pass target_modules)."
-                )
-            if not (finetune_attention_modules or finetune_mlp_modules):
-                raise ValueError(
-                    "finetune_attention_modules and finetune_mlp_modules are both False, so no layer would train. "
-                    "Set at least one to True (or pass target_modules)."
-                )
-            names = select_lora_modules(
-                model,
+            selection = LoraSelection(
                 finetune_vision_layers=finetune_vision_layers,
                 finetune_language_layers=finetune_language_layers,
                 finetune_attention_modules=finetune_attention_modules,
                 finetune_mlp_modules=finetune_mlp_modules,
             )
+            names = selection.modules(model)
             if not names:
                 raise ValueError(f"The finetune_* flags select no Linear layer in {type(model).__name__}.")
             # An anchored regex of exact names: PEFT's suffix matching could otherwise catch a same-named layer elsewhere.

@@ -90,7 +90,7 @@ def build_qwen_processor(
 def _has_torchvision() -> bool:
     try:
         import torchvision  # noqa: F401
-    except Exception:  # a broken torchvision (ABI mismatch) is as good as none
+    except Exception:  # noqa: BLE001  (a broken torchvision, e.g. an ABI mismatch, is as good as none)
         return False
     return True
 

@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RewardFunctionError", "checked_reward_func"]
+__all__ = ["RewardFunctionError", "checked_reward_func", "reward_name"]
 
 
 class RewardFunctionError(RuntimeError):
@@ -27,7 +27,9 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-def _name(func: Callable) -> str:
+def reward_name(func: Callable) -> str:
+    """The name a reward function is reported under: its `__name__` (as in TRL's `rewards/<name>` metrics), else its
+    type's name (e.g. a callable object without one)."""
     return getattr(func, "__name__", None) or type(func).__name__
 
 
@@ -38,7 +40,7 @@ def _find_failing_row(func: Callable, prompts: list, completions: list, kwargs: 
         row_kwargs = {k: ([v[i]] if isinstance(v, list) and len(v) == n else v) for k, v in kwargs.items()}
         try:
             func(prompts=[prompts[i]], completions=[completions[i]], **row_kwargs)
-        except Exception:
+        except Exception:  # noqa: BLE001  (whatever the user's function raises marks the row)
             return i
     return None
 
@@ -59,7 +61,7 @@ def checked_reward_func(func: Callable) -> Callable:
             return func
     except ImportError:  # pragma: no cover
         pass
-    name = _name(func)
+    name = reward_name(func)
 
     @functools.wraps(func)
     def checked(prompts: list, completions: list, **kwargs: Any) -> list[float | None]:

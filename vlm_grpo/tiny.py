@@ -13,6 +13,7 @@ import os
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -83,6 +84,7 @@ _QWEN_TOKENS = [
     "<|image_pad|>", "<|video_pad|>",
 ]  # fmt: skip
 
+# fmt: off
 _FAMILIES: dict[str, _Family] = {
     "qwen2_vl": _Family(_QWEN_TOKENS, None, ["<|im_end|>", "<|endoftext|>"], "<|endoftext|>", _QWEN_TEMPLATE),
     "qwen2_5_vl": _Family(_QWEN_TOKENS, None, ["<|im_end|>", "<|endoftext|>"], "<|endoftext|>", _QWEN_TEMPLATE),
@@ -92,13 +94,14 @@ _FAMILIES: dict[str, _Family] = {
          "<image_soft_token>"],
         "<bos>", ["<end_of_turn>", "<eos>"], "<pad>", _GEMMA3_TEMPLATE,
         extra_special={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"},
-    ),  # fmt: skip
+    ),
     "idefics3": _Family(
         ["<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>", "<image>",
          "<global-img>"] + [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)],
         None, ["<end_of_utterance>"], "<|endoftext|>", _IDEFICS3_TEMPLATE,
-    ),  # fmt: skip
+    ),
 }
+# fmt: on
 
 TINY_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
 
@@ -111,32 +114,45 @@ _HIDDEN, _LAYERS, _HEADS, _KV_HEADS, _INTERMEDIATE = 64, 2, 4, 2, 128
 _VISION_HIDDEN, _VISION_LAYERS, _VISION_HEADS = 32, 2, 2
 
 
-def _build_tokenizer(family: _Family, words: Iterable[str]):
-    """A word-level fast tokenizer: every known word is one token, which makes task answers single tokens."""
+def build_word_level_tokenizer(
+    vocab: dict[str, int], special_tokens: Iterable[str], unk_token: str, **tokenizer_kwargs: Any
+) -> Any:
+    """A fast tokenizer in which every word of `vocab` is one token (so task answers are single tokens).
+
+    `special_tokens` are split out before the word split; one missing from `vocab` takes the next free id.
+    `tokenizer_kwargs` reach `PreTrainedTokenizerFast` (`pad_token`, `eos_token`, `chat_template`, ...). Pads on the
+    left, as generation does. Also builds the benchmarks' real-vocabulary tokenizer (`benchmarks/real_arch.py`).
+    """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab: dict[str, int] = {}
-    for token in ["<unk>", *family.special_tokens, *_BASE_WORDS, *words]:
-        vocab.setdefault(token, len(vocab))
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk_token))
     # Whitespace splits words from punctuation (`colour?` -> `colour`, `?`), so prompts tokenize sensibly.
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.decoder = decoders.WordPiece(prefix="##", cleanup=True)  # joins words with single spaces
     # Registered on the backend so `<|image_pad|><|image_pad|>` splits into tokens before the word split.
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in family.special_tokens])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        unk_token="<unk>",
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token=unk_token, padding_side="left", **tokenizer_kwargs
+    )
+
+
+def _build_tokenizer(family: _Family, words: Iterable[str]):
+    """The family's tokenizer: its special tokens, the base words and `words`, each one token."""
+    vocab: dict[str, int] = {}
+    for token in ["<unk>", *family.special_tokens, *_BASE_WORDS, *words]:
+        vocab.setdefault(token, len(vocab))
+    return build_word_level_tokenizer(
+        vocab,
+        family.special_tokens,
+        "<unk>",
         pad_token=family.pad,
         eos_token=family.eos[0],
         bos_token=family.bos,
         extra_special_tokens=dict(family.extra_special),
-        padding_side="left",  # generation pads on the left
         chat_template=family.chat_template,
         model_max_length=4096,
     )
-    return tokenizer
 
 
 def _round_up(n: int, multiple: int = 8) -> int:

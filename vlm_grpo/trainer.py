@@ -6,6 +6,7 @@ overrides only these hooks:
   datasets (bad rows raise or are skipped before training), refuses a model with nothing to train,
   checks reward functions on every call, and registers the requires-grad hooks so checkpointed vision
   LoRA trains.
+- `train`: refuses, before the first step, a TRL that cannot compute GRPO log-probs on this device.
 - `_generate_and_score_completions`: images loaded from any format, normalised, fitted to the pixel
   budget (`vlm_grpo.pixel_budget`) and given as `images` lists; plain-string prompts with images turned
   into chat messages.

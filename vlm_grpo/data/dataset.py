@@ -9,6 +9,7 @@ from datasets import Dataset, Features, List, Value
 from datasets import Image as ImageFeature
 from PIL import Image
 
+from ..validation import is_int
 from .scene import render
 from .tasks import Example, TaskSpec, check_difficulty, check_task
 
@@ -54,9 +55,9 @@ def make_visual_reasoning_dataset(
     check_difficulty(difficulty)
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
-    if not _is_int(n) or n <= 0:
+    if not is_int(n) or n <= 0:
         raise ValueError(f"n must be a positive int, got {n!r}")
-    if not _is_int(image_size) or image_size < MIN_IMAGE_SIZE:
+    if not is_int(image_size) or image_size < MIN_IMAGE_SIZE:
         raise ValueError(f"image_size must be an int >= {MIN_IMAGE_SIZE}, got {image_size!r}")
 
     samples = [
@@ -79,10 +80,6 @@ def make_visual_reasoning_dataset(
         features["bbox"] = List(Value("float64"))
         features["image_size"] = List(Value("int64"))
     return Dataset.from_dict(columns, features=Features(features))
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def split_of(image: Image.Image) -> str:

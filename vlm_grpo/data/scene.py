@@ -1,8 +1,10 @@
 """Scene primitives for the procedural tasks: palette, shapes, digits, placement, rendering.
 
 A scene is a tuple of frozen items (filled shapes and digit glyphs), each with an
-integer pixel box. Keeping scenes as plain data lets the dataset builder hash
-them for the train/test split before spending time on rendering.
+integer pixel box; :func:`render` draws it. The dataset builder assigns each rendered
+image to the train or test split by a hash of its pixels
+(:func:`vlm_grpo.data.dataset.split_of`), so two scenes that draw the same picture
+always land in the same split.
 """
 
 from __future__ import annotations
