@@ -99,7 +99,9 @@ def _check_export(trainer, processor, out_dir: str, full_weights) -> dict[str, f
     from vlm_grpo.model import FastVisionModel
 
     dtype = torch.float32 if not torch.cuda.is_available() else torch.bfloat16
-    path = FastVisionModel.save_pretrained_merged(trainer.model, processor, os.path.join(out_dir, "merged"), dtype=dtype)
+    path = FastVisionModel.save_pretrained_merged(
+        trainer.model, processor, os.path.join(out_dir, "merged"), dtype=dtype
+    )
     model = trainer.accelerator.unwrap_model(trainer.model)
     inputs = processor(text=["What colour is the shape ?"], return_tensors="pt").to(trainer.accelerator.device)
     result: dict[str, float] = {}
@@ -113,8 +115,11 @@ def _check_export(trainer, processor, out_dir: str, full_weights) -> dict[str, f
         merged = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(trainer.accelerator.device)
         with torch.no_grad():
             merged_logits = merged(**inputs).logits.float()
-        result = {"merged_gap": float((merged_logits - trained_logits).abs().mean()),
-                  "logit_scale": float(trained_logits.abs().mean()), "architectures": merged.config.architectures}
+        result = {
+            "merged_gap": float((merged_logits - trained_logits).abs().mean()),
+            "logit_scale": float(trained_logits.abs().mean()),
+            "architectures": merged.config.architectures,
+        }
         if base_logits is not None:
             result["adapter_effect"] = float((base_logits - trained_logits).abs().mean())
     trainer.accelerator.wait_for_everyone()
@@ -137,9 +142,15 @@ def main() -> None:
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no_compile", action="store_true", help="eager fast generation (fast_generation_compile=False)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                        help="weights as loaded (default: bf16 on GPU, fp32 on CPU); bf16 compute either way on GPU")
+    parser.add_argument(
+        "--no_compile", action="store_true", help="eager fast generation (fast_generation_compile=False)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="weights as loaded (default: bf16 on GPU, fp32 on CPU); bf16 compute either way on GPU",
+    )
     args = parser.parse_args()
 
     if not torch.cuda.is_available():
@@ -155,7 +166,12 @@ def main() -> None:
     # save_pretrained writes on the main process only, and the other ranks' tiny checkpoints would lack weights.
     rank = int(os.environ.get("RANK", "0"))
     model, processor, dataset, _ = _model_and_data(
-        args.model, args.out_dir, rank, args.image_size, args.full, args.seed,
+        args.model,
+        args.out_dir,
+        rank,
+        args.image_size,
+        args.full,
+        args.seed,
         getattr(torch, args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")),
     )
     config = VLMGRPOConfig(

@@ -40,7 +40,9 @@ VLM_VARIANTS = {
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen2.5-vl-3b", help="qwen2.5-vl-3b or qwen2.5-vl-7b (random weights); tiny: CPU smoke test")
+    p.add_argument(
+        "--model", default="qwen2.5-vl-3b", help="qwen2.5-vl-3b or qwen2.5-vl-7b (random weights); tiny: CPU smoke test"
+    )
     p.add_argument("--image_size", type=int, default=448, help="side of the square synthetic images")
     p.add_argument("--prompts", type=int, default=2, help="prompts per step")
     p.add_argument("--num_generations", type=int, default=8, help="completions per prompt")
@@ -218,7 +220,10 @@ def run_worker(args) -> None:
 def _summary(run: dict, args) -> dict:
     measured = run["steps"][1:] or run["steps"]  # first step is warm-up (compilation, allocator growth)
     tokens = args.prompts * args.num_generations * args.completion_length
-    med = {k: statistics.median(r[k] for r in measured) for k in ("total_s", "generation_s", "scoring_s", "training_s", "peak_gib")}
+    med = {
+        k: statistics.median(r[k] for r in measured)
+        for k in ("total_s", "generation_s", "scoring_s", "training_s", "peak_gib")
+    }
     med["tokens_per_s"] = tokens / med["generation_s"] if med["generation_s"] else float("nan")
     med["peak_gib"] = max(r["peak_gib"] for r in run["steps"])
     med["warmup_s"] = run["steps"][0]["total_s"]
@@ -242,6 +247,7 @@ def _markdown(summaries: dict, args, env: dict) -> str:
         lines.append(f"| {name} | {s['total_s']:.2f} | {s['generation_s']:.2f} | {s['scoring_s']:.2f} | "
                      f"{s['training_s']:.2f} | {s['tokens_per_s']:.0f} | {s['ms_per_token']:.1f} | {s['peak_gib']:.1f} | "
                      f"{s['warmup_s']:.1f} | {s['graphs']} / {s['steps']} |")  # fmt: skip
+
     def ratio(a: float, b: float) -> str:
         return f"{a / b:.2f}" if b else "n/a"
 
@@ -250,7 +256,15 @@ def _markdown(summaries: dict, args, env: dict) -> str:
         for base in ("trl", "trl-static"):
             if base in summaries:
                 b = summaries[base]
-                keys = ("total_s", "generation_s", "scoring_s", "training_s", "tokens_per_s", "ms_per_token", "peak_gib")
+                keys = (
+                    "total_s",
+                    "generation_s",
+                    "scoring_s",
+                    "training_s",
+                    "tokens_per_s",
+                    "ms_per_token",
+                    "peak_gib",
+                )
                 lines.append(f"| ratio {mine} / {base} | " + " | ".join(ratio(ours[k], b[k]) for k in keys) + " | | |")
     return "\n".join(lines) + "\n"
 
@@ -280,7 +294,10 @@ def main(argv=None) -> None:
             cmd = [sys.executable, os.path.abspath(__file__), *forwarded, "--worker", name, "--worker_out", out]
             start = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            print(f"[{name} round {round_index}] exit {proc.returncode} in {time.perf_counter() - start:.0f} s", flush=True)
+            print(
+                f"[{name} round {round_index}] exit {proc.returncode} in {time.perf_counter() - start:.0f} s",
+                flush=True,
+            )
             if proc.returncode != 0:
                 print(proc.stdout[-2000:], proc.stderr[-6000:], flush=True)
                 continue
@@ -290,7 +307,9 @@ def main(argv=None) -> None:
     for name, name_runs in runs.items():
         if name_runs:  # each run's first step is warm-up; the warm-up column shows the first run's
             steps = name_runs[0]["steps"][:1] + [s for r in name_runs for s in r["steps"][1:]]
-            summaries[name] = _summary({"steps": steps, "compiled_graphs": name_runs[0].get("compiled_graphs", 0)}, args)
+            summaries[name] = _summary(
+                {"steps": steps, "compiled_graphs": name_runs[0].get("compiled_graphs", 0)}, args
+            )
     table = _markdown(summaries, args, env)
     print(table, flush=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:

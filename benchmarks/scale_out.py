@@ -25,15 +25,43 @@ REAL = ["--image_size", "448", "--max_completion_length", "64", "--batch", "8", 
 RUNS = {
     "ddp-3b": ("ddp", ["--model", "qwen2.5-vl-3b", "--steps", "5", "--no_compile", *REAL]),  # eager, as FSDP2 is
     "fsdp2-3b": ("fsdp2", ["--model", "qwen2.5-vl-3b", "--steps", "5", "--save_steps", "3", "--export", *REAL]),
-    "fsdp2-3b-resume": ("fsdp2", ["--model", "qwen2.5-vl-3b", "--steps", "5", "--resume", "{out}/fsdp2-3b/run/checkpoint-3",
-                                  "--out_from", "fsdp2-3b", *REAL]),
+    "fsdp2-3b-resume": (
+        "fsdp2",
+        [
+            "--model",
+            "qwen2.5-vl-3b",
+            "--steps",
+            "5",
+            "--resume",
+            "{out}/fsdp2-3b/run/checkpoint-3",
+            "--out_from",
+            "fsdp2-3b",
+            *REAL,
+        ],
+    ),
     "zero3-3b": ("zero3", ["--model", "qwen2.5-vl-3b", "--steps", "5", *REAL]),
     # Full fine-tuning with fp32 master weights: 7.6 B x (4 weights + 4 grads + 8 Adam) bytes = 122 GB per replica
     # before activations and the reference model, so DDP cannot hold it on one 141 GB GPU; FSDP2 halves it.
-    "fsdp2-7b-full": ("fsdp2", ["--model", "qwen2.5-vl-7b", "--full", "--dtype", "float32", "--steps", "3",
-                                "--lr", "1e-6", *REAL]),
-    "ddp-7b-full": ("ddp", ["--model", "qwen2.5-vl-7b", "--full", "--dtype", "float32", "--steps", "3",
-                            "--lr", "1e-6", "--no_compile", *REAL]),
+    "fsdp2-7b-full": (
+        "fsdp2",
+        ["--model", "qwen2.5-vl-7b", "--full", "--dtype", "float32", "--steps", "3", "--lr", "1e-6", *REAL],
+    ),
+    "ddp-7b-full": (
+        "ddp",
+        [
+            "--model",
+            "qwen2.5-vl-7b",
+            "--full",
+            "--dtype",
+            "float32",
+            "--steps",
+            "3",
+            "--lr",
+            "1e-6",
+            "--no_compile",
+            *REAL,
+        ],
+    ),
 }
 
 
@@ -50,9 +78,14 @@ def _launch(config: str, args: list[str], out: str, timeout: int, extra: list[st
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
         rc, err = proc.returncode, proc.stderr
     except subprocess.TimeoutExpired as e:
-        rc, err = "timeout", (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr)
+        rc, err = (
+            "timeout",
+            (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr),
+        )
     result = {"rc": rc, "wall_s": round(time.perf_counter() - start, 1)}
-    ranks = [os.path.join(out, f) for f in sorted(os.listdir(out)) if f.startswith("rank")] if os.path.isdir(out) else []
+    ranks = (
+        [os.path.join(out, f) for f in sorted(os.listdir(out)) if f.startswith("rank")] if os.path.isdir(out) else []
+    )
     result["ranks"] = [_read_json(p) for p in ranks]
     if rc != 0:
         lines = [x for x in err.splitlines() if "Error" in x or "out of memory" in x.lower()]
@@ -133,8 +166,10 @@ def main() -> None:
         with open(summary_path + ".tmp", "w") as f:
             json.dump(summary, f, indent=1)
         os.replace(summary_path + ".tmp", summary_path)
-    print("| run | sharding | steps | s/step (2..) | peak GiB per GPU | same weights | lora_B moved (vision + language) "
-          "| fast gen calls | shared-prefix calls | export |")
+    print(
+        "| run | sharding | steps | s/step (2..) | peak GiB per GPU | same weights | lora_B moved (vision + language) "
+        "| fast gen calls | shared-prefix calls | export |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, result in summary.items():
         if name != "two-machines":

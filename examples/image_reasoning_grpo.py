@@ -26,8 +26,12 @@ from vlm_grpo.rewards import answer_accuracy, make_choice_reward, think_answer_f
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--model", default="tiny:qwen2_5_vl", help="Hub id or path; tiny:<family> builds one offline")
 parser.add_argument("--load_in_4bit", action="store_true", help="4-bit base weights (CUDA + bitsandbytes)")
-parser.add_argument("--task", default="color", choices=["color", "count", "spatial", "arithmetic", "position"],
-                    help="synthetic task (boxes, i.e. locate, need the iou reward: see examples/recipes)")
+parser.add_argument(
+    "--task",
+    default="color",
+    choices=["color", "count", "spatial", "arithmetic", "position"],
+    help="synthetic task (boxes, i.e. locate, need the iou reward: see examples/recipes)",
+)
 parser.add_argument("--dataset", default=None, help="your data instead: a Hub id or a JSONL / CSV / Parquet file")
 parser.add_argument("--eval_split", default=None, help="the dataset's split for accuracy (else 10%% held out)")
 parser.add_argument("--max_steps", type=int, default=None, help="training steps (default: the recipe's)")
@@ -63,7 +67,9 @@ model_path = args.model
 if tiny:  # a real architecture at a tiny size, built offline; its vocabulary includes the task's answer words
     model_path = build_tiny_vlm(args.model.removeprefix("tiny:"), os.path.join(args.output_dir, "tiny-base"),
                                 seed=seed, words=answer_words(args.task, 1) if args.dataset is None else None)  # fmt: skip
-model, processor = FastVisionModel.from_pretrained(model_path, load_in_4bit=args.load_in_4bit, full_finetuning=not use_lora)
+model, processor = FastVisionModel.from_pretrained(
+    model_path, load_in_4bit=args.load_in_4bit, full_finetuning=not use_lora
+)
 if use_lora:  # adapters on the vision tower and the language model, attention and MLP
     model = FastVisionModel.get_peft_model(model, r=16, lora_alpha=16, finetune_vision_layers=True,
                                            finetune_language_layers=True, random_state=seed)  # fmt: skip

@@ -33,7 +33,9 @@ def _dataset() -> Dataset:
 def trained(tiny_dir, tmp_path_factory):
     """One logged GRPO step (2 prompts x 2 samples) with both callbacks attached."""
     out = tmp_path_factory.mktemp("callbacks")
-    model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl", words=answer_words("color", 1)), full_finetuning=True)
+    model, processor = FastVisionModel.from_pretrained(
+        tiny_dir("qwen2_5_vl", words=answer_words("color", 1)), full_finetuning=True
+    )
     config = VLMGRPOConfig(output_dir=str(out), max_steps=1, per_device_train_batch_size=4, num_generations=2,
                            max_completion_length=4, logging_steps=1, report_to="none", save_strategy="no",
                            use_cpu=True, dataloader_pin_memory=False, disable_tqdm=True, seed=0)  # fmt: skip
@@ -90,6 +92,8 @@ def test_live_plot_text_fallback_line(capsys):
     logs = {"loss": 0.1, "rewards/choice_accuracy/mean": 0.5, "rewards/choice_accuracy/std": 0.2, "reward": 0.5,
             "rewards/think_answer_format/mean": float("nan")}  # fmt: skip
     plot.on_log(TrainingArguments(output_dir="unused", report_to="none"), state, TrainerControl(), logs=logs)
-    plot.on_log(TrainingArguments(output_dir="unused", report_to="none"), state, TrainerControl(), logs={"train_runtime": 1.0})
+    plot.on_log(
+        TrainingArguments(output_dir="unused", report_to="none"), state, TrainerControl(), logs={"train_runtime": 1.0}
+    )
     assert capsys.readouterr().out == "step 10/400  choice_accuracy 0.500  mean reward 0.500\n"
     assert plot.history == {"choice_accuracy": [(10, 0.5)], "mean reward": [(10, 0.5)]}  # NaN is not plotted

@@ -146,7 +146,12 @@ def test_jsonl_in_the_easyr1_layout_needs_no_column_flags(tmp_path):
     with open(tmp_path / "data" / "train.jsonl", "w") as f:
         for i in range(10):
             _image(i).save(tmp_path / "data" / "img" / f"{i}.png")
-            f.write(json.dumps({"problem": f"<image>What is {i} plus one?", "answer": str(i + 1), "images": [f"img/{i}.png"]}) + "\n")
+            f.write(
+                json.dumps(
+                    {"problem": f"<image>What is {i} plus one?", "answer": str(i + 1), "images": [f"img/{i}.png"]}
+                )
+                + "\n"
+            )
     out = tmp_path / "run"
     proc = vlm_grpo(
         "--dataset", str(tmp_path / "data" / "train.jsonl"), "--test_size", "2", "--output_dir", str(out),

@@ -12,8 +12,14 @@ from vlm_grpo.display import CompletionTable
 
 def _table(thumbnail: int = 32) -> CompletionTable:
     rows = make_visual_reasoning_dataset("color", 2, seed=0, split="test")
-    before = [{"completion": "<answer>blue & red</answer>", "choice_accuracy": 0.0}, {"completion": "x", "choice_accuracy": None}]
-    after = [{"completion": rows[0]["answer"], "choice_accuracy": 1.0}, {"completion": rows[1]["answer"], "choice_accuracy": 1.0}]
+    before = [
+        {"completion": "<answer>blue & red</answer>", "choice_accuracy": 0.0},
+        {"completion": "x", "choice_accuracy": None},
+    ]
+    after = [
+        {"completion": rows[0]["answer"], "choice_accuracy": 1.0},
+        {"completion": rows[1]["answer"], "choice_accuracy": 1.0},
+    ]
     return CompletionTable(rows, {"before": before, "after": after}, thumbnail=thumbnail)
 
 
@@ -34,7 +40,9 @@ def test_text_version_lists_each_row_with_its_completions():
     text = str(_table())
     lines = text.splitlines()
     assert len(lines) == 6
-    assert lines[0] == f"[0] image 56x56  What colour is the shape? Answer with one word.  (answer: {rows[0]['answer']})"
+    assert (
+        lines[0] == f"[0] image 56x56  What colour is the shape? Answer with one word.  (answer: {rows[0]['answer']})"
+    )
     assert lines[1] == "    before  '<answer>blue & red</answer>'  choice_accuracy 0.00"
     assert lines[4] == "    before  'x'"  # an unscorable row shows no score rather than a made-up one
 

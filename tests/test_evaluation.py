@@ -34,7 +34,9 @@ def test_evaluate_scores_generations_with_the_rewards(tiny_dir):
     def never(prompts, completions, **kwargs):
         return [0.0] * len(completions)
 
-    result = evaluate(model, processor, dataset, [always_right, never], num_generations=4, max_new_tokens=3, batch_size=4)
+    result = evaluate(
+        model, processor, dataset, [always_right, never], num_generations=4, max_new_tokens=3, batch_size=4
+    )
     assert result["accuracy"] == 1.0 and result["pass@1"] == 1.0 and result["pass@4"] == 1.0
     assert result["reward/always_right"] == 1.0 and result["reward/never"] == 0.0 and result["mean_reward"] == 0.5
     assert [n for n, _ in seen] == [16, 8]  # 4 + 2 rows, 4 samples each
@@ -101,8 +103,10 @@ def test_sample_completions_are_the_greedy_answers_that_evaluate_scores(tiny_dir
     assert len(samples) == 5 and all(set(s) == {"completion", "choice_accuracy"} for s in samples)
     # Each score is the reward of that completion for that row, and their mean is evaluate's greedy accuracy.
     assert [s["choice_accuracy"] for s in samples] == reward(
-        prompts=None, completions=[s["completion"] for s in samples], answer=dataset["answer"])
+        prompts=None, completions=[s["completion"] for s in samples], answer=dataset["answer"]
+    )
     accuracy = evaluate(model, processor, dataset, [reward], max_new_tokens=3)["accuracy"]
     assert sum(s["choice_accuracy"] for s in samples) / 5 == pytest.approx(accuracy)
     assert sample_completions(model, processor, dataset.select(range(2)), max_new_tokens=3) == [
-        {"completion": s["completion"]} for s in samples[:2]]  # no rewards: completions only
+        {"completion": s["completion"]} for s in samples[:2]
+    ]  # no rewards: completions only

@@ -95,7 +95,9 @@ def test_notebook_runs_with_a_live_plot_and_a_before_after_table(tmp_path, monke
     for key, value in {**ENV, "VLM_GRPO_MAX_STEPS": "3"}.items():
         monkeypatch.setenv(key, value)  # the kernel inherits this process's environment
     notebook = _read_notebook()
-    NotebookClient(notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(
+        notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
 
     train_cell = next(cell for cell in notebook.cells if "trainer.train()" in cell.source)
     plots = [out for out in train_cell.outputs if "image/png" in out.get("data", {})]
@@ -122,7 +124,9 @@ def test_there_are_the_four_kinds_of_recipe():
     for path in RECIPES:
         script, _ = parse_args(["--config", path])
         kinds["count"] |= script.task == "count" and "Qwen2.5-VL-3B" in script.model
-        kinds["geometry"] |= (script.dataset or "").endswith("geometry3k") and "answer_accuracy" in (script.reward_funcs or [])
+        kinds["geometry"] |= (script.dataset or "").endswith("geometry3k") and "answer_accuracy" in (
+            script.reward_funcs or []
+        )
         kinds["grounding"] |= "iou" in (script.reward_funcs or [])
     assert all(kinds.values()), kinds
 

@@ -14,7 +14,9 @@ import pytest
 from conftest import TRL_TRAINS_HERE, image_batch, lora_b_grads
 
 HAS_UNSLOTH_ZOO = importlib.util.find_spec("unsloth_zoo") is not None
-needs_zoo = pytest.mark.skipif(not HAS_UNSLOTH_ZOO, reason="unsloth_zoo not installed (CI's unsloth environment has it)")
+needs_zoo = pytest.mark.skipif(
+    not HAS_UNSLOTH_ZOO, reason="unsloth_zoo not installed (CI's unsloth environment has it)"
+)
 
 
 def test_importing_vlm_grpo_never_imports_unsloth_zoo():

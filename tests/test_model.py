@@ -98,7 +98,10 @@ def test_target_modules_override_flags(tiny_dir):
     model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
     peft_model = FastVisionModel.get_peft_model(model, r=4, target_modules=["q_proj", "v_proj"])
     wrapped = _pattern(n for n, m in peft_model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A)
-    assert wrapped == {"model.language_model.layers.N.self_attn.q_proj", "model.language_model.layers.N.self_attn.v_proj"}
+    assert wrapped == {
+        "model.language_model.layers.N.self_attn.q_proj",
+        "model.language_model.layers.N.self_attn.v_proj",
+    }
 
 
 def test_modes_switch_and_are_idempotent(tiny_dir):
@@ -273,6 +276,7 @@ def test_quantisation_skips_vision_projector_and_head_by_full_name(tiny_dir, fam
 
 # With bitsandbytes installed (Unsloth's environment) 4-bit may load on CPU; these tests check the refusal without it.
 _HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
+
 
 def _copy_checkpoint(src, dst, **config_updates):
     """A copy of a tiny checkpoint with config.json fields changed."""

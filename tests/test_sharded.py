@@ -20,14 +20,23 @@ from vlm_grpo.trainer import _compile_default
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _launch(args: list[str], port: int, config: str | None = None, machine: list[str] = ()) -> subprocess.CompletedProcess:
+def _launch(
+    args: list[str], port: int, config: str | None = None, machine: list[str] = ()
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, *sys.path])}
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2",
               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port)]  # fmt: skip
     # Without a config: plain DDP. `--multi_gpu` is what starts two processes (torchrun); on CPU the trainer then
     # runs them as MULTI_CPU over gloo (`--cpu` would start a single process).
     launch += ["--config_file", os.path.join(ROOT, "examples", "accelerate", config)] if config else ["--multi_gpu"]
-    result = subprocess.run([*launch, *(machine or ["--num_machines", "1"]), *args], env=env, capture_output=True, text=True, timeout=900, check=False)
+    result = subprocess.run(
+        [*launch, *(machine or ["--num_machines", "1"]), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return result
 
@@ -61,7 +70,9 @@ def test_fsdp2_trains_vision_and_language_lora_resumes_and_exports(tmp_path):
     # Resume from the mid-run checkpoint (step 2): the step count continues and step 3 is replayed exactly.
     for r in (0, 1):
         (out / f"rank{r}.json").unlink()
-    _launch([script, str(out), "--steps", "4", "--resume", str(out / "run" / "checkpoint-2")], 29572, config="fsdp2.yaml")
+    _launch(
+        [script, str(out), "--steps", "4", "--resume", str(out / "run" / "checkpoint-2")], 29572, config="fsdp2.yaml"
+    )
     resumed = _records(out)
     for r in resumed:
         assert r["logged_steps"] == [1, 2, 3, 4] and r["steps"] == 4 and r["finite"]

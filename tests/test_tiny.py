@@ -40,7 +40,9 @@ def test_load_and_generate_from_image_prompt(tiny_dir, family):
     assert type(model).__name__ == EXPECTED_TYPES[family]
     assert processor.tokenizer.padding_side == "left"
     FastVisionModel.for_inference(model)
-    messages = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]}]]
+    messages = [
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]}]
+    ]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     inputs = processor(text=text, images=[[Image.new("RGB", (56, 56), (255, 0, 0))]], return_tensors="pt")
     image_token_id = model.config.image_token_id if hasattr(model.config, "image_token_id") else None

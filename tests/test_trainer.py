@@ -247,7 +247,9 @@ def _image_variants(tmp_path):
 @pytest.mark.trains
 def test_every_image_format_trains(tiny_dir, tmp_path, kind):
     image = _image_variants(tmp_path)[kind]
-    dataset = Dataset.from_list([{"prompt": "What colour is the shape?", "image": image, "answer": "red", "kind": kind}] * 4)
+    dataset = Dataset.from_list(
+        [{"prompt": "What colour is the shape?", "image": image, "answer": "red", "kind": kind}] * 4
+    )
     seen = []
 
     def record(prompts, completions, kind, answer, **kwargs):
@@ -292,7 +294,9 @@ def test_mixed_zero_one_and_several_images_per_row(tiny_dir, tmp_path):
     _finite_losses(trainer)
     # Every row reached generation with its own images, in its order (none dropped, none moved to another row).
     assert len(generated) == 32 and set(generated) == {
-        ("Say red.", ()), ("What colour?", ((56, 56),)), ("What colour?", ((84, 56),)),
+        ("Say red.", ()),
+        ("What colour?", ((56, 56),)),
+        ("What colour?", ((84, 56),)),
         ("and first?", ((56, 56), (84, 56))),
     }
 
@@ -362,7 +366,9 @@ def test_qwen_images_are_resized_once_by_the_processors_budget(tiny_dir, tmp_pat
 @pytest.mark.trains
 def test_model_path_is_loaded_for_you(tiny_dir, tmp_path):
     dataset = make_visual_reasoning_dataset("color", 8, seed=0)
-    trainer = VLMGRPOTrainer(tiny_dir("qwen2_5_vl", words=COLORS), [choice], args=_config(tmp_path), train_dataset=dataset)
+    trainer = VLMGRPOTrainer(
+        tiny_dir("qwen2_5_vl", words=COLORS), [choice], args=_config(tmp_path), train_dataset=dataset
+    )
     assert trainer.ref_model is not None  # full fine-tuning with beta > 0 keeps a frozen reference copy
     trainer.train()
     _finite_losses(trainer)
@@ -389,19 +395,30 @@ def test_unreadable_images_are_skipped_and_counted(tiny_dir, tmp_path, caplog):
     png = io.BytesIO()
     Image.new("RGB", (56, 56), (255, 0, 0)).save(png, format="PNG")
     truncated = {"bytes": png.getvalue()[:40], "path": None}
-    rows = good[:3] + [{**good[0], "image": truncated}] + good[3:] + [{**good[1], "image": {"bytes": b"junk", "path": None}}]
+    rows = (
+        good[:3]
+        + [{**good[0], "image": truncated}]
+        + good[3:]
+        + [{**good[1], "image": {"bytes": b"junk", "path": None}}]
+    )
     from datasets import Image as ImageFeature
 
     dataset = Dataset.from_list(rows).cast_column("image", ImageFeature())
     model, processor = _model(tiny_dir, peft=True)
     with caplog.at_level("WARNING"):
-        trainer = VLMGRPOTrainer(model, [choice], args=_config(tmp_path), train_dataset=dataset, processing_class=processor)
+        trainer = VLMGRPOTrainer(
+            model, [choice], args=_config(tmp_path), train_dataset=dataset, processing_class=processor
+        )
     assert trainer.skipped_rows["train"].indices == [3, 7]
     assert len(trainer.train_dataset) == 6
     assert "skipped 2 of 8 rows" in caplog.text
     with pytest.raises(ValueError, match="row 3"):
         VLMGRPOTrainer(
-            model, [choice], args=_config(tmp_path, skip_bad_rows=False), train_dataset=dataset, processing_class=processor
+            model,
+            [choice],
+            args=_config(tmp_path, skip_bad_rows=False),
+            train_dataset=dataset,
+            processing_class=processor,
         )
 
 
@@ -410,11 +427,27 @@ def test_unreadable_images_are_skipped_and_counted(tiny_dir, tmp_path, caplog):
     [
         ([], "empty"),
         ([{"question": "hi", "image": Image.new("RGB", (8, 8))}], "no `prompt` column"),
-        ([{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]}], "no `image` or `images` column"),
-        ([{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}],
-           "images": [Image.new("RGB", (8, 8))] * 2}], r"1 image placeholder.*2 image"),
-        ([{"prompt": "<|im_start|>user\nWhat?<|im_end|>", "image": Image.new("RGB", (8, 8))}], "chat template already applied"),
-        ([{"prompt": "a", "image": Image.new("RGB", (8, 8)), "images": [Image.new("RGB", (8, 8))]}], "both `image` and `images`"),
+        (
+            [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]}],
+            "no `image` or `images` column",
+        ),
+        (
+            [
+                {
+                    "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}],
+                    "images": [Image.new("RGB", (8, 8))] * 2,
+                }
+            ],
+            r"1 image placeholder.*2 image",
+        ),
+        (
+            [{"prompt": "<|im_start|>user\nWhat?<|im_end|>", "image": Image.new("RGB", (8, 8))}],
+            "chat template already applied",
+        ),
+        (
+            [{"prompt": "a", "image": Image.new("RGB", (8, 8)), "images": [Image.new("RGB", (8, 8))]}],
+            "both `image` and `images`",
+        ),
     ],
     ids=["empty", "no_prompt", "no_image_column", "placeholder_mismatch", "templated_string", "both_columns"],
 )
@@ -606,6 +639,7 @@ def test_image_column_with_none_trains_through_an_all_text_batch(tiny_dir, tmp_p
 
 # With bitsandbytes installed (Unsloth's environment) 4-bit may load on CPU; these tests check the refusal without it.
 _HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
+
 
 def _remote_code_checkpoint(tiny_dir, tmp_path):
     """A tiny checkpoint whose config.json points at its own model class (`auto_map`), as Hub repos with code do."""

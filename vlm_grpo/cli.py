@@ -74,9 +74,16 @@ class ScriptArguments:
         metadata={"help": "A VLM id or path, or `tiny:<family>` for an offline tiny model built in code "
                   "(families: qwen2_vl, qwen2_5_vl, qwen3_vl, gemma3, idefics3)."},
     )  # fmt: skip
-    task: str = field(default="color", metadata={"help": "Synthetic task (without --dataset): color, count, spatial, arithmetic, locate, position."})
-    difficulty: int = field(default=1, metadata={"help": "Synthetic task difficulty 1-3 (1: four colours, chance 0.25)."})
-    train_size: int = field(default=2048, metadata={"help": "Synthetic training prompts generated (rows are reused per epoch)."})
+    task: str = field(
+        default="color",
+        metadata={"help": "Synthetic task (without --dataset): color, count, spatial, arithmetic, locate, position."},
+    )
+    difficulty: int = field(
+        default=1, metadata={"help": "Synthetic task difficulty 1-3 (1: four colours, chance 0.25)."}
+    )
+    train_size: int = field(
+        default=2048, metadata={"help": "Synthetic training prompts generated (rows are reused per epoch)."}
+    )
     test_size: float | None = field(
         default=None,
         metadata={"help": "Held-out prompts for accuracy before/after. Synthetic task: a count (default 128). With "
@@ -90,10 +97,19 @@ class ScriptArguments:
     )  # fmt: skip
     dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})
     dataset_split: str = field(default="train", metadata={"help": "Split to train on."})
-    eval_split: str | None = field(default=None, metadata={"help": "Split for accuracy before/after (else --test_size rows are held out)."})
-    prompt_column: str | None = field(default=None, metadata={"help": "Question column (default: prompt, problem or question)."})
-    image_column: str | None = field(default=None, metadata={"help": "Image column, one image or a list (default: images or image)."})
-    answer_column: str | None = field(default=None, metadata={"help": "Gold-answer column, passed to rewards as `answer` (default: answer or solution)."})
+    eval_split: str | None = field(
+        default=None, metadata={"help": "Split for accuracy before/after (else --test_size rows are held out)."}
+    )
+    prompt_column: str | None = field(
+        default=None, metadata={"help": "Question column (default: prompt, problem or question)."}
+    )
+    image_column: str | None = field(
+        default=None, metadata={"help": "Image column, one image or a list (default: images or image)."}
+    )
+    answer_column: str | None = field(
+        default=None,
+        metadata={"help": "Gold-answer column, passed to rewards as `answer` (default: answer or solution)."},
+    )
     system_prompt: str | None = field(default=None, metadata={"help": "System message added to every prompt."})
     prompt_template: str | None = field(
         default=None,
@@ -116,7 +132,9 @@ class ScriptArguments:
     finetune_mlp_modules: bool = _lora_flag("finetune_mlp_modules")
     load_in_4bit: bool = field(default=False, metadata={"help": "4-bit NF4 base weights (CUDA + bitsandbytes)."})
     load_in_8bit: bool = field(default=False, metadata={"help": "8-bit base weights (CUDA + bitsandbytes)."})
-    eval_max_new_tokens: int = field(default=0, metadata={"help": "Tokens per held-out answer; 0: max_completion_length."})
+    eval_max_new_tokens: int = field(
+        default=0, metadata={"help": "Tokens per held-out answer; 0: max_completion_length."}
+    )
     torch_threads: int = field(default=1, metadata={"help": "CPU threads for torch (1 is fastest for tiny models)."})
 
 
@@ -154,7 +172,11 @@ def _build_parser() -> Any:
     parser.set_defaults(**DEMO_DEFAULTS)
     for action in parser._actions:
         # transformers gives `--no_x` the help of `--x` and its own default, so it read as the opposite of what it does.
-        if action.option_strings and action.option_strings[0].startswith("--no_") and isinstance(action, argparse._StoreFalseAction):
+        if (
+            action.option_strings
+            and action.option_strings[0].startswith("--no_")
+            and isinstance(action, argparse._StoreFalseAction)
+        ):
             action.help, action.default = f"Turn off --{action.dest}.", argparse.SUPPRESS
     # TrlParser reads `--config` itself before argparse runs; listed here so --help shows it.
     script_group = next(g for g in parser._action_groups if g.title == ScriptArguments._argument_group_name)
@@ -202,7 +224,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, Any]:
         with warnings.catch_warnings():
             # TRL's and our config defaults still set `gradient_checkpointing*`, renamed `activation_checkpointing*`
             # in transformers 5.2x; the value is carried over, so the rename warning says nothing to a CLI user.
-            warnings.filterwarnings("ignore", message=r"`gradient_checkpointing(_kwargs)?` is deprecated", category=FutureWarning)
+            warnings.filterwarnings(
+                "ignore", message=r"`gradient_checkpointing(_kwargs)?` is deprecated", category=FutureWarning
+            )
             script, config = parser.parse_args_and_config(args=argv)
     except ValueError as error:  # a config's __post_init__ check (e.g. batch size vs num_generations)
         raise UsageError(str(error)) from error
@@ -240,7 +264,9 @@ def resolve_reward(name: str) -> Callable:
             raise UsageError(f"--reward_funcs {name!r}: cannot import it ({error}).") from error
         if callable(func):
             return func
-    raise UsageError(f"unknown reward {name!r}; choose from {', '.join(reward_names())} or give an import path pkg.mod:fn.")
+    raise UsageError(
+        f"unknown reward {name!r}; choose from {', '.join(reward_names())} or give an import path pkg.mod:fn."
+    )
 
 
 def _check(script: ScriptArguments, config: Any) -> None:
@@ -251,9 +277,13 @@ def _check(script: ScriptArguments, config: Any) -> None:
 
     if script.dataset is None:
         if script.task not in TASKS:
-            raise UsageError(f"unknown --task {script.task!r}; choose one of {', '.join(TASKS)} (or train on --dataset).")
+            raise UsageError(
+                f"unknown --task {script.task!r}; choose one of {', '.join(TASKS)} (or train on --dataset)."
+            )
         if script.difficulty not in DIFFICULTIES:
-            raise UsageError(f"--difficulty must be one of {', '.join(map(str, DIFFICULTIES))}, got {script.difficulty}.")
+            raise UsageError(
+                f"--difficulty must be one of {', '.join(map(str, DIFFICULTIES))}, got {script.difficulty}."
+            )
         if script.test_size is not None and (script.test_size < 1 or script.test_size != int(script.test_size)):
             raise UsageError(f"--test_size for a synthetic task is a count >= 1, got {script.test_size:g}.")
         if script.prompt_template is not None and "{prompt}" not in script.prompt_template:
@@ -261,7 +291,9 @@ def _check(script: ScriptArguments, config: Any) -> None:
     elif script.test_size is not None and script.test_size < 0:
         raise UsageError(f"--test_size must be a fraction in (0, 1), a count, or 0, got {script.test_size:g}.")
     if script.model.startswith(TINY_PREFIX) and script.model[len(TINY_PREFIX) :] not in TINY_FAMILIES:
-        raise UsageError(f"Unknown tiny family {script.model[len(TINY_PREFIX):]!r}; choose one of {', '.join(TINY_FAMILIES)}.")
+        raise UsageError(
+            f"Unknown tiny family {script.model[len(TINY_PREFIX) :]!r}; choose one of {', '.join(TINY_FAMILIES)}."
+        )
     if script.model.startswith((".", "/", "~")) and not os.path.exists(os.path.expanduser(script.model)):
         raise UsageError(f"--model {script.model}: no such directory.")
     try:
@@ -270,7 +302,9 @@ def _check(script: ScriptArguments, config: Any) -> None:
         raise UsageError(f"--load_in_{'4' if script.load_in_4bit else '8'}bit: {error}") from error
     funcs = [resolve_reward(name) for name in script.reward_funcs or []]
     if config.reward_weights is not None and len(config.reward_weights) != max(len(funcs), 1):
-        raise UsageError(f"--reward_weights has {len(config.reward_weights)} value(s) for {max(len(funcs), 1)} reward function(s).")
+        raise UsageError(
+            f"--reward_weights has {len(config.reward_weights)} value(s) for {max(len(funcs), 1)} reward function(s)."
+        )
 
 
 def _synthetic_data(script: ScriptArguments, config: Any) -> tuple[Any, Any, list[Callable], str]:
@@ -479,7 +513,10 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     before: dict[str, float] = {}
     if test is not None:
         before = evaluate(model, processor, test, eval_funcs, **score)
-        print(f"held-out accuracy before training: {before['accuracy']:.3f}  ({data_name}, {len(test)} prompts)", flush=True)
+        print(
+            f"held-out accuracy before training: {before['accuracy']:.3f}  ({data_name}, {len(test)} prompts)",
+            flush=True,
+        )
 
     metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
     trainer = VLMGRPOTrainer(
@@ -489,7 +526,9 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     with warnings.catch_warnings():
         # TRL's own generation helpers call transformers' deprecated `gradient_checkpointing_*` / `is_gradient_checkpointing`
         # every step; vlm_grpo.model calls the current `activation_checkpointing_*` API itself.
-        warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning
+        )
         trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
 
     results: dict[str, float] = {}

@@ -71,7 +71,9 @@ def evaluate(
             rewards[name].extend(float("nan") if v is None else float(v) for v in values)
         first = scores[reward_name(funcs[0])]
         for i in range(0, len(first), num_generations):
-            correct_per_row.append(sum(1 for s in first[i : i + num_generations] if s is not None and s >= correct_threshold))
+            correct_per_row.append(
+                sum(1 for s in first[i : i + num_generations] if s is not None and s >= correct_threshold)
+            )
 
     result: dict[str, float] = {}
     for name, values in rewards.items():

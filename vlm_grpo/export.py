@@ -137,7 +137,10 @@ class atomic_directory:
 
 
 def write_checkpoint(
-    model: nn.Module, processor: Any, state_dict: dict[str, torch.Tensor], save_directory: str | os.PathLike,
+    model: nn.Module,
+    processor: Any,
+    state_dict: dict[str, torch.Tensor],
+    save_directory: str | os.PathLike,
     dtype: torch.dtype,
 ) -> str:
     """Write `state_dict` as a plain `dtype` transformers checkpoint, atomically; return its absolute path.

@@ -85,7 +85,8 @@ def select_rows(fields: dict[str, Any], images_per_row: Sequence[int], rows: Seq
 
     # TRL keeps tensors as they are, left-pads per-token lists and turns anything else into a tensor; so do we.
     fields = {
-        key: value if isinstance(value, torch.Tensor) or (isinstance(value, list) and value and isinstance(value[0], list))
+        key: value
+        if isinstance(value, torch.Tensor) or (isinstance(value, list) and value and isinstance(value[0], list))
         else torch.as_tensor(np.asarray(value))
         for key, value in fields.items()
     }
@@ -184,7 +185,11 @@ class FastGenerator:
             return "encoder-decoder models are not supported"
         if not hasattr(base, "_prepare_position_ids_for_generation") or not hasattr(base, "_get_logits_processor"):
             return "this transformers version lacks the generation helpers the fast path reuses"
-        if getattr(base, "hf_quantizer", None) is not None and self._compile_on(base) and not base.hf_quantizer.is_compileable:
+        if (
+            getattr(base, "hf_quantizer", None) is not None
+            and self._compile_on(base)
+            and not base.hf_quantizer.is_compileable
+        ):
             return f"{type(base.hf_quantizer).__name__} weights cannot be compiled"
         return None
 

@@ -114,9 +114,7 @@ def _decode(img: Image.Image, what: str) -> Image.Image:
 def _load_path(path: str | os.PathLike[str]) -> Image.Image:
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise ImageError(
-            f"image file not found: {path!r}; check the path or the dataset's image root"
-        )
+        raise ImageError(f"image file not found: {path!r}; check the path or the dataset's image root")
     try:
         with Image.open(path) as img:
             return _decode(img, f"image file {path!r}")

@@ -80,7 +80,9 @@ def _check_quantization(load_in_4bit: bool, load_in_8bit: bool) -> None:
 
 def _gc_kwargs(use_gradient_checkpointing: bool | str) -> dict | None:
     if use_gradient_checkpointing not in _GC_CHOICES:
-        raise ValueError(f"use_gradient_checkpointing must be one of {_GC_CHOICES}, got {use_gradient_checkpointing!r}.")
+        raise ValueError(
+            f"use_gradient_checkpointing must be one of {_GC_CHOICES}, got {use_gradient_checkpointing!r}."
+        )
     if use_gradient_checkpointing is False:
         return None
     # Non-reentrant is PyTorch's recommended mode and needs no input grads; "reentrant" is kept for parity

@@ -46,12 +46,26 @@ def _image_only_class(class_name: str) -> type:
         return out
 
     # Saved as the real class name so plain transformers (with torchvision) loads the checkpoint as usual.
-    return type(class_name, (base,), {"__init__": __init__, "save_pretrained": save_pretrained, "__module__": base.__module__})
+    return type(
+        class_name, (base,), {"__init__": __init__, "save_pretrained": save_pretrained, "__module__": base.__module__}
+    )
 
 
 _VIDEO_PROCESSORS = {"Qwen3VLProcessor": "Qwen3VLVideoProcessor"}
-_VIDEO_KEYS = ("size", "patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std", "do_resize",
-               "do_rescale", "rescale_factor", "do_normalize", "do_convert_rgb", "resample")
+_VIDEO_KEYS = (
+    "size",
+    "patch_size",
+    "temporal_patch_size",
+    "merge_size",
+    "image_mean",
+    "image_std",
+    "do_resize",
+    "do_rescale",
+    "rescale_factor",
+    "do_normalize",
+    "do_convert_rgb",
+    "resample",
+)
 
 
 def _add_video_processor_config(save_directory: str | os.PathLike, image_processor: Any, class_name: str) -> None:
@@ -123,8 +137,10 @@ def _chat_template(path: str, tokenizer: Any, **kwargs: Any) -> str | None:
 def _processor_config(path: str, **kwargs: Any) -> dict:
     from transformers.utils import cached_file
 
-    file = os.path.join(path, "processor_config.json") if os.path.isdir(path) else cached_file(
-        path, "processor_config.json", _raise_exceptions_for_missing_entries=False, **kwargs
+    file = (
+        os.path.join(path, "processor_config.json")
+        if os.path.isdir(path)
+        else cached_file(path, "processor_config.json", _raise_exceptions_for_missing_entries=False, **kwargs)
     )
     if not file or not os.path.exists(file):
         raise OSError(f"{path!r} has no processor_config.json to rebuild its processor from.")

@@ -178,7 +178,9 @@ def check_dataset(
         return dataset, SkippedRows()
     columns = list(getattr(dataset, "column_names", None) or [])
     if columns and "prompt" not in columns:
-        raise ValueError(f"{name} has no `prompt` column (columns: {columns}). Rename your question column to `prompt`.")
+        raise ValueError(
+            f"{name} has no `prompt` column (columns: {columns}). Rename your question column to `prompt`."
+        )
     if "image" in columns and "images" in columns:
         raise ValueError(f"{name} has both `image` and `images` columns; keep one (`images` for several per row).")
     image_column = next((c for c in IMAGE_COLUMNS if c in columns), None)
@@ -233,7 +235,9 @@ def check_dataset(
         )  # fmt: skip
         keep = sorted(set(range(len(dataset))) - set(skipped.indices))
         if not keep:
-            raise ValueError(f"{name}: every row has an unreadable image, nothing left to train on. First: {skipped.reasons[0]}")
+            raise ValueError(
+                f"{name}: every row has an unreadable image, nothing left to train on. First: {skipped.reasons[0]}"
+            )
         dataset = dataset.select(keep)
     return dataset, skipped
 

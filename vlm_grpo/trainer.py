@@ -249,7 +249,9 @@ class VLMGRPOTrainer(GRPOTrainer):
         if kwargs.get("peft_config") is None:  # else TRL adds the trainable adapters
             _refuse_frozen_model(model)
         if reward_funcs is not None:
-            reward_funcs = [checked_reward_func(f) for f in (reward_funcs if isinstance(reward_funcs, list) else [reward_funcs])]
+            reward_funcs = [
+                checked_reward_func(f) for f in (reward_funcs if isinstance(reward_funcs, list) else [reward_funcs])
+            ]
 
         # TRL keeps a frozen copy of a passed-in adapter ("ref") as the KL reference, because the adapter might be
         # pretrained. A fresh LoRA adapter (every B zero) is the identity, so the base model with the adapter disabled
@@ -382,7 +384,12 @@ class VLMGRPOTrainer(GRPOTrainer):
             ):
                 try:
                     completion_ids = self.fast_generator.generate(
-                        model, prompt_ids, images, multimodal_fields, self.generation_config, self._tokenizer.pad_token_id
+                        model,
+                        prompt_ids,
+                        images,
+                        multimodal_fields,
+                        self.generation_config,
+                        self._tokenizer.pad_token_id,
                     )
                     return completion_ids, None
                 except FastPathUnavailable as error:

@@ -23,7 +23,9 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 def checkpoint():
     from real_arch import build_checkpoint
 
-    return build_checkpoint("qwen2.5-vl-3b", os.environ.get("VLM_GRPO_GPU_CHECKPOINT", "/tmp/vlm-grpo-bench/qwen2.5-vl-3b"))
+    return build_checkpoint(
+        "qwen2.5-vl-3b", os.environ.get("VLM_GRPO_GPU_CHECKPOINT", "/tmp/vlm-grpo-bench/qwen2.5-vl-3b")
+    )
 
 
 def _dataset(n=4, size=448):
@@ -54,7 +56,14 @@ def _train(model, processor, tmp_path, steps=2):
     trainer = VLMGRPOTrainer(model, [_varied], args=config, train_dataset=_dataset(), processing_class=processor)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    print("losses", losses, "peak GiB", torch.cuda.max_memory_allocated() / 2**30, "fast generation", trainer.fast_generator.stats)
+    print(
+        "losses",
+        losses,
+        "peak GiB",
+        torch.cuda.max_memory_allocated() / 2**30,
+        "fast generation",
+        trainer.fast_generator.stats,
+    )
     assert losses and all(math.isfinite(x) for x in losses)
     return trainer
 

@@ -60,9 +60,7 @@ def make_visual_reasoning_dataset(
     if not is_int(image_size) or image_size < MIN_IMAGE_SIZE:
         raise ValueError(f"image_size must be an int >= {MIN_IMAGE_SIZE}, got {image_size!r}")
 
-    samples = [
-        _sample_in_split(spec, task, seed, split, i, image_size, difficulty) for i in range(n)
-    ]
+    samples = [_sample_in_split(spec, task, seed, split, i, image_size, difficulty) for i in range(n)]
     examples = [example for example, _ in samples]
     columns: dict[str, list] = {
         "prompt": [[{"role": "user", "content": ex.question}] for ex in examples],

@@ -64,7 +64,9 @@ def load_split(source: str, split: str = "train", name: str | None = None, image
         if builder is None:
             raise DatasetError(f"{source}: unknown file type; use one of {', '.join(FILE_BUILDERS)} or a directory.")
         if split != "train":
-            raise DatasetError(f"{source} is one file with one split; hold rows out with --test_size instead of {split!r}.")
+            raise DatasetError(
+                f"{source} is one file with one split; hold rows out with --test_size instead of {split!r}."
+            )
         dataset = datasets.load_dataset(builder, data_files=path, split="train")
         return _images_as_features(dataset, os.path.dirname(os.path.abspath(path)), image_column)
     if _looks_local(source):
@@ -178,8 +180,14 @@ def to_grpo_rows(
             raw = dataset.cast_column(image, undecoded)
 
         def convert(batch: dict[str, list]) -> dict[str, list]:
-            counts = [len(v or []) if many else int(v is not None) for v in batch[image]] if image else [0] * len(batch["prompt"])
-            return {"prompt": [_messages(t, n, system_prompt, prompt_template) for t, n in zip(batch["prompt"], counts)]}
+            counts = (
+                [len(v or []) if many else int(v is not None) for v in batch[image]]
+                if image
+                else [0] * len(batch["prompt"])
+            )
+            return {
+                "prompt": [_messages(t, n, system_prompt, prompt_template) for t, n in zip(batch["prompt"], counts)]
+            }
 
         dataset = raw.map(convert, batched=True, desc="building chat prompts")
         if image is not None:

@@ -97,14 +97,10 @@ def _glyph_mask(text: str, height: int) -> Image.Image:
 
 def overlaps(a: Box, b: Box, gap: int = 0) -> bool:
     """Whether boxes ``a`` and ``b`` come closer than ``gap`` pixels."""
-    return not (
-        a[2] + gap <= b[0] or b[2] + gap <= a[0] or a[3] + gap <= b[1] or b[3] + gap <= a[1]
-    )
+    return not (a[2] + gap <= b[0] or b[2] + gap <= a[0] or a[3] + gap <= b[1] or b[3] + gap <= a[1])
 
 
-def random_box(
-    rng: random.Random, image_size: int, width: int, height: int, margin: int = 0
-) -> Box:
+def random_box(rng: random.Random, image_size: int, width: int, height: int, margin: int = 0) -> Box:
     """A uniformly placed ``width`` x ``height`` box at least ``margin`` pixels inside the image."""
     x1 = rng.randint(margin, max(margin, image_size - width - margin))
     y1 = rng.randint(margin, max(margin, image_size - height - margin))

@@ -70,9 +70,7 @@ def _plural(kind: str) -> str:
     return kind + "s"
 
 
-def _placed(
-    rng: random.Random, size: int, sides: list[int], taken: list[Box], gap: int
-) -> list[Box]:
+def _placed(rng: random.Random, size: int, sides: list[int], taken: list[Box], gap: int) -> list[Box]:
     boxes = place_boxes(rng, size, [(s, s) for s in sides], taken, gap)
     if boxes is None:
         raise _Redraw
@@ -174,8 +172,7 @@ def _spatial(rng: random.Random, size: int, difficulty: int) -> Example:
         items.append(Shape(rng.choice(kinds), COLORS[rng.choice(others)], box))
 
     question = (
-        f"Where is the {first} shape relative to the {second} shape? "
-        "Answer with one word: left, right, above or below."
+        f"Where is the {first} shape relative to the {second} shape? Answer with one word: left, right, above or below."
     )
     return Example(tuple(items), question, relation)
 
@@ -269,10 +266,7 @@ def _position(rng: random.Random, size: int, difficulty: int) -> Example:
     y1 = rng.randint(0, size - side)
     color = COLORS[rng.choice(colors_for(difficulty))]
     dot = Shape("circle", color, (x1, y1, x1 + side, y1 + side))
-    question = (
-        "Is the dot on the left, in the middle or on the right? "
-        "Answer with one word: left, middle or right."
-    )
+    question = "Is the dot on the left, in the middle or on the right? Answer with one word: left, middle or right."
     return Example((dot,), question, answer)
 
 
