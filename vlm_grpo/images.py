@@ -115,32 +115,27 @@ def _load_path(path: str | os.PathLike[str]) -> Image.Image:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ImageError(f"image file not found: {path!r}; check the path or the dataset's image root")
-    try:
-        with Image.open(path) as img:
-            return _decode(img, f"image file {path!r}")
-    except ImageError:
-        raise
-    except Image.DecompressionBombError as err:
-        raise ImageError(f"image file {path!r} is too large to open safely ({err})") from err
-    except _DECODE_ERRORS as err:
-        raise ImageError(
-            f"image file {path!r} is not a readable image ({err}); check that it is a "
-            "PNG/JPEG/... file and not empty or corrupt"
-        ) from err
+    what = f"image file {path!r}"
+    return _open(path, what, f"{what} is too large to open safely",
+                 f"{what} is not a readable image ({{err}}); check that it is a PNG/JPEG/... file and not empty or corrupt")  # fmt: skip
 
 
 def _load_bytes(data: bytes, what: str) -> Image.Image:
     if not data:
         raise ImageError(f"{what} are empty; the dataset row has no encoded image")
+    return _open(io.BytesIO(data), what, f"{what} describe an image too large to open safely",
+                 f"{what} ({len(data)} bytes) are not a decodable image ({{err}}); "
+                 "pass encoded PNG/JPEG/... bytes, not raw pixel buffers")  # fmt: skip
+
+
+def _open(source: Any, what: str, too_large: str, unreadable: str) -> Image.Image:
+    """`Image.open(source)` decoded, its failures as `ImageError`s (`{err}` in `unreadable` becomes the error)."""
     try:
-        img = Image.open(io.BytesIO(data))
+        img = Image.open(source)
     except Image.DecompressionBombError as err:
-        raise ImageError(f"{what} describe an image too large to open safely ({err})") from err
+        raise ImageError(f"{too_large} ({err})") from err
     except _DECODE_ERRORS as err:
-        raise ImageError(
-            f"{what} ({len(data)} bytes) are not a decodable image ({err}); "
-            "pass encoded PNG/JPEG/... bytes, not raw pixel buffers"
-        ) from err
+        raise ImageError(unreadable.replace("{err}", str(err))) from err  # not format(): paths may hold braces
     return _decode(img, what)
 
 
@@ -241,23 +236,21 @@ def _flatten_on_white(img: Image.Image) -> Image.Image:
     return Image.alpha_composite(background, rgba).convert("RGB")
 
 
-def _guess_int_range(values: np.ndarray) -> tuple[np.ndarray, float]:
+def _guess_range(values: np.ndarray, full_scales: tuple[float, ...]) -> tuple[np.ndarray, float]:
+    """The first of `full_scales` that holds every value (from 0), else the values stretched to their own range."""
     lo, hi = float(values.min()), float(values.max())
-    if lo >= 0 and hi <= 255:
-        return values, 255.0
-    if lo >= 0 and hi <= 65535:
-        return values, 65535.0
+    for scale in full_scales:
+        if lo >= 0 and hi <= scale:
+            return values, scale
     return _stretch(values, lo, hi)
+
+
+def _guess_int_range(values: np.ndarray) -> tuple[np.ndarray, float]:
+    return _guess_range(values, (255.0, 65535.0))
 
 
 def _guess_float_range(values: np.ndarray) -> tuple[np.ndarray, float]:
-    values = np.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
-    lo, hi = float(values.min()), float(values.max())
-    if lo >= 0 and hi <= 1.0:
-        return values, 1.0
-    if lo >= 0 and hi <= 255.0:
-        return values, 255.0
-    return _stretch(values, lo, hi)
+    return _guess_range(np.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0), (1.0, 255.0))
 
 
 def _stretch(values: np.ndarray, lo: float, hi: float) -> tuple[np.ndarray, float]:
