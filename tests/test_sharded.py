@@ -107,7 +107,7 @@ def test_fsdp2_full_fine_tuning_trains_and_exports_the_unwrapped_architecture(tm
     assert all(r["sharding"] == "fsdp2" and r["steps"] == 2 and r["finite"] and r["resharded"] for r in records)
     assert records[0]["checksum"] == records[1]["checksum"]
     export = records[0]["export"]
-    # FSDP2 renames a sharded module's class (FSDPQwen2_5_VL...); the checkpoint must name the real one.
+    # FSDP2 swaps the root's class for a generated FSDPQwen2_5_VL...; the checkpoint still names the real one.
     assert export["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
     assert export["merged_gap"] < 1e-5 * export["logit_scale"]  # fp32 export of fp32 weights: the same model
 

@@ -153,14 +153,12 @@ def write_checkpoint(
     from accelerate import init_empty_weights
     from peft import PeftModel
 
-    from .sharded import model_class
-
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     config = copy.deepcopy(base.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the merged weights are plain `dtype`
     with init_empty_weights():
-        skeleton = model_class(base)._from_config(config, dtype=dtype)  # not FSDP2's generated subclass
+        skeleton = type(base)._from_config(config, dtype=dtype)
     if getattr(base, "generation_config", None) is not None:
         skeleton.generation_config = copy.deepcopy(base.generation_config)
     with atomic_directory(save_directory) as tmp:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["full_weights", "is_main_process", "model_class", "sharding", "unsupported_reason"]
+__all__ = ["full_weights", "is_main_process", "sharding", "unsupported_reason"]
 
 
 def _fsdp2_units(model: nn.Module) -> list[nn.Module]:
@@ -45,14 +45,6 @@ def sharding(model: nn.Module) -> str | None:
     if any(hasattr(p, "ds_id") for p in model.parameters()):  # DeepSpeed ZeRO-3 partitions carry a ds_id
         return "zero3"
     return None
-
-
-def model_class(module: nn.Module) -> type:
-    """`module`'s own class: FSDP2 swaps a sharded module's class for a generated `FSDP<Name>` subclass."""
-    cls = type(module)
-    if cls.__name__.startswith("FSDP"):
-        return next((c for c in cls.__mro__[1:] if c.__name__ == cls.__name__[4:]), cls)
-    return cls
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
