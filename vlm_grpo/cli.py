@@ -531,21 +531,25 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
         )
         trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
 
+    # The trained model is saved before the held-out evaluation, so a failure there cannot lose it. A collective
+    # (sharded weights are gathered on every rank); rank 0 writes.
+    final = os.path.join(config.output_dir, "final")
+    if trainer.accelerator.is_main_process:
+        with atomic_directory(final) as tmp:
+            trainer.save_model(tmp)
+            processor.save_pretrained(tmp)
+    else:
+        trainer.save_model(final)  # joins the gather; writes nothing off rank 0
+    trainer.accelerator.wait_for_everyone()
+
     results: dict[str, float] = {}
     if test is not None:
         with full_weights(trainer.model_wrapped):  # a sharded model gathered once, not per layer per token
             after = evaluate(trainer.model, processor, test, eval_funcs, **score)
         print(f"held-out accuracy after training:  {after['accuracy']:.3f}", flush=True)
         results = {f"before/{k}": v for k, v in before.items()} | {f"after/{k}": v for k, v in after.items()}
-    final = os.path.join(config.output_dir, "final")
-    if not trainer.accelerator.is_main_process:  # other ranks join save_model's gather of sharded weights only
-        trainer.save_model(final)
-        trainer.accelerator.wait_for_everyone()
+    if not trainer.accelerator.is_main_process:
         return results
-    with atomic_directory(final) as tmp:
-        trainer.save_model(tmp)
-        processor.save_pretrained(tmp)
-    trainer.accelerator.wait_for_everyone()
     tmp_json = os.path.join(config.output_dir, "eval.json.tmp")
     with open(tmp_json, "w") as f:
         json.dump(results, f, indent=2)

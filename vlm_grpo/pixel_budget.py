@@ -144,25 +144,29 @@ class PixelBudget:
 
 
 def apply_pixel_budget(
-    processor: Any, min_pixels: int | None = None, max_pixels: int | None = None, *, source: str = "VLMGRPOConfig"
+    processor: Any,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    *,
+    source: str = "VLMGRPOConfig",
+    log: bool = True,
 ) -> PixelBudget:
     """Put a budget where it acts and return the :class:`PixelBudget` images are fitted with before `processor`.
 
-    A processor that resizes by a budget gets the non-None bounds written into it (a changed value is logged as set
-    by `source`); otherwise the budget is ours to apply, and a warning says once that it bounds image detail, not the
-    image tokens, which such processors fix themselves.
+    A processor that resizes by a budget gets the non-None bounds written into it (with `log`, a changed value is
+    logged as set by `source`); otherwise the budget is ours to apply, and with `log` a warning says that it bounds
+    image detail, not the image tokens, which such processors fix themselves.
     """
     check_pixel_budget(min_pixels, max_pixels)
     if resizes_by_pixel_budget(processor):
         changed = set_processor_pixel_budget(processor, min_pixels, max_pixels)
-        for name, (old, new) in changed.items():
+        for name, (old, new) in changed.items() if log else ():
             logger.warning(
                 "%s.%s=%d replaces the processor's %s=%d (image_processor.size[%r]); the processor keeps the new value "
                 "and is saved with it.", source, name, new, name, old, _KEYS[name],
             )  # fmt: skip
-        current = processor_pixel_budget(processor)
-        return PixelBudget(*current, image_processor=_image_processor(processor))
-    if min_pixels is not None or max_pixels is not None:
+        return PixelBudget(*processor_pixel_budget(processor), image_processor=_image_processor(processor))
+    if log and (min_pixels is not None or max_pixels is not None):
         logger.warning(
             "%s resizes every image to its own input size, so %s's min_pixels=%s / max_pixels=%s bound the detail of "
             "each image (it is resized to the budget first) but not its image tokens; set the image processor's own "
@@ -177,13 +181,9 @@ def pixel_budget_for_call(
 ) -> Iterator[PixelBudget]:
     """:func:`apply_pixel_budget` for the duration of a `with` block (evaluation): the processor's own budget is put
     back afterwards, and nothing is logged, since nothing is replaced for good."""
-    check_pixel_budget(min_pixels, max_pixels)
     before = processor_pixel_budget(processor)
-    if before is None:
-        yield PixelBudget(min_pixels, max_pixels)
-        return
-    set_processor_pixel_budget(processor, min_pixels, max_pixels)
     try:
-        yield PixelBudget(*processor_pixel_budget(processor), image_processor=_image_processor(processor))
+        yield apply_pixel_budget(processor, min_pixels, max_pixels, log=False)
     finally:
-        set_processor_pixel_budget(processor, *before)
+        if before is not None:
+            set_processor_pixel_budget(processor, *before)

@@ -43,6 +43,7 @@ from .processor import load_processor
 from .reward_checks import checked_reward_func
 from .rows import check_dataset, prepare_row, rows_for_rewards
 from .sharded import full_weights
+from .sharded import unsupported_reason as sharded_unsupported_reason
 from .shared_prefix import SharedPrefixUnsupported, shared_prefix_logps
 
 __all__ = ["VLMGRPOConfig", "VLMGRPOTrainer"]
@@ -361,8 +362,8 @@ class VLMGRPOTrainer(GRPOTrainer):
             return "generation runs in vLLM / transformers continuous batching"
         if getattr(self, "tools", None) or has_tool_images or getattr(self, "environment_factories", None) is not None:
             return "tool-calling rollouts re-enter generation with tool results"
-        if self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2:
-            return "FSDP1 models are not gathered for fast generation; use FSDP2 (fsdp_version: 2)"
+        if self.is_fsdp_enabled and (reason := sharded_unsupported_reason(self.model_wrapped)):
+            return reason
         if self._is_zero3 and not self.args.ds3_gather_for_generation:
             return "ds3_gather_for_generation=False: ZeRO-3 weights stay sharded while generating"
         return self.fast_generator.unsupported_reason(self.accelerator.unwrap_model(self.model))
@@ -375,12 +376,11 @@ class VLMGRPOTrainer(GRPOTrainer):
         if reason is None:
             # TRL's context unwraps DDP / DeepSpeed and gathers ZeRO-3 weights; FSDP2 units are unsharded here, once
             # for the whole rollout rather than per layer per token.
-            fsdp2 = self.is_fsdp_enabled
             with (
                 unwrap_model_for_generation(
                     self.model_wrapped, self.accelerator, generation_kwargs=self.generation_kwargs
                 ) as model,
-                full_weights(self.model_wrapped) if fsdp2 else contextlib.nullcontext(),
+                full_weights(self.model_wrapped) if self.is_fsdp_enabled else contextlib.nullcontext(),
             ):
                 try:
                     completion_ids = self.fast_generator.generate(
