@@ -142,6 +142,8 @@ def run_worker(args) -> None:
     import torch
     from real_arch import build_checkpoint
 
+    from vlm_grpo.compat import checkpointing_settings
+
     trainer_name = args.worker
     if args.model == "tiny":  # CPU smoke run of this harness: `python benchmarks/grpo_step.py --model tiny`
         from vlm_grpo.tiny import build_tiny_vlm
@@ -155,7 +157,7 @@ def run_worker(args) -> None:
         output_dir=os.path.join("/tmp", f"bench-{trainer_name}"), per_device_train_batch_size=args.prompts * args.num_generations,
         num_generations=args.num_generations, max_completion_length=args.completion_length,
         generation_kwargs={"min_new_tokens": args.completion_length}, beta=args.beta,
-        gradient_checkpointing=not args.no_gradient_checkpointing, bf16=on_gpu, use_cpu=not on_gpu, learning_rate=1e-6,
+        **checkpointing_settings(not args.no_gradient_checkpointing), bf16=on_gpu, use_cpu=not on_gpu, learning_rate=1e-6,
         max_steps=args.steps if trainer_name in VLM_VARIANTS or args.steps_trl is None else args.steps_trl, logging_steps=1, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
     )  # fmt: skip
     dataset = _dataset(args)

@@ -12,7 +12,6 @@ command runs the same recipe in one line; this file is the code to copy and chan
 
 import argparse
 import os
-import warnings
 
 import torch
 from transformers import PrinterCallback
@@ -37,8 +36,6 @@ parser.add_argument("--eval_split", default=None, help="the dataset's split for 
 parser.add_argument("--max_steps", type=int, default=None, help="training steps (default: the recipe's)")
 parser.add_argument("--output_dir", default="runs/image-reasoning-example")
 args = parser.parse_args()
-# TRL's config and generation helpers still use transformers' deprecated `gradient_checkpointing*` names: harmless.
-warnings.filterwarnings("ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning)
 
 # -- hyperparameters -------------------------------------------------------------------------------------------------
 tiny = args.model.startswith("tiny:")

@@ -6,11 +6,14 @@ import os
 
 import pytest
 import torch
+from deprecation_guard import install as _install_deprecation_guard
+from deprecation_guard import no_deprecated_calls_from_our_code  # noqa: F401 (an autouse fixture for every test)
 
 # Two busy threads on a shared 2-core machine made steps 10-100x slower; tiny models need only one.
 torch.set_num_threads(1)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+_install_deprecation_guard()
 
 
 def _trl_trains_here() -> bool:

@@ -13,6 +13,8 @@ import types
 import pytest
 from conftest import TRL_TRAINS_HERE, image_batch, lora_b_grads
 
+from vlm_grpo.compat import checkpointing_settings, enable_checkpointing
+
 HAS_UNSLOTH_ZOO = importlib.util.find_spec("unsloth_zoo") is not None
 needs_zoo = pytest.mark.skipif(
     not HAS_UNSLOTH_ZOO, reason="unsloth_zoo not installed (CI's unsloth environment has it)"
@@ -61,7 +63,7 @@ def _peft_tiny(tiny_dir, reentrant=True):
     model = AutoModelForImageTextToText.from_pretrained(path)
     names = select_lora_modules(model)
     model = get_peft_model(model, LoraConfig(r=4, target_modules=names))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    enable_checkpointing(model, {"use_reentrant": reentrant})
     model.base_model.model.disable_input_require_grads()  # frozen inputs, as Unsloth leaves them
     model.train()
     return model, load_processor(path, "qwen2_5_vl")
@@ -115,7 +117,7 @@ def test_trainer_replaces_hooks_unsloth_registered_before_the_patch(peft_utils, 
     config = VLMGRPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
         max_steps=1, report_to="none", use_cpu=True, disable_tqdm=True,
-        gradient_checkpointing_kwargs={"use_reentrant": True},
+        **checkpointing_settings(True, {"use_reentrant": True}),
     )  # fmt: skip
     with caplog.at_level("WARNING"):
         trainer = VLMGRPOTrainer(

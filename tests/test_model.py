@@ -7,6 +7,7 @@ from conftest import image_batch
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
+from vlm_grpo.compat import enable_checkpointing
 from vlm_grpo.model import FastBaseVisionModel, FastVisionModel, checkpointing_mode, select_lora_modules
 from vlm_grpo.tiny import TINY_FAMILIES
 
@@ -131,7 +132,7 @@ def test_checkpointing_mode_is_read_from_the_model(tiny_dir, how):
     if how == "ours":
         FastVisionModel.for_training(model, use_gradient_checkpointing="reentrant")
     else:  # switched on outside FastVisionModel: the mode must still be known, not assumed
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        enable_checkpointing(model, {"use_reentrant": True})  # transformers' API, under this install's name
     assert checkpointing_mode(model) == "reentrant"
     FastVisionModel.for_training(model, use_gradient_checkpointing=True)
     assert checkpointing_mode(model) is True

@@ -10,6 +10,7 @@ from PIL import Image
 from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict, split_pixel_values_by_grid, unsplit_pixel_values_by_grid
 
+from vlm_grpo.compat import checkpointing_settings
 from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
 from vlm_grpo.hooks import find_vision_tower
 from vlm_grpo.model import FastVisionModel, is_checkpointing
@@ -61,7 +62,7 @@ def _trainer(tiny_dir, tmp_path, family, lora=None, gc=False, attn=None, **confi
     args = VLMGRPOConfig(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=2, max_completion_length=6,
         report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
-        gradient_checkpointing=bool(gc), gradient_checkpointing_kwargs={"use_reentrant": gc == "reentrant"}, **config,
+        **checkpointing_settings(bool(gc), {"use_reentrant": gc == "reentrant"}), **config,
     )  # fmt: skip
     dataset = Dataset.from_list(_rows(family))
     return VLMGRPOTrainer(model, [_zero_reward], args=args, train_dataset=dataset, processing_class=processor)

@@ -9,6 +9,7 @@ from conftest import changed_weights, lora_b_weights, user_turn
 from datasets import Dataset
 from PIL import Image
 
+from vlm_grpo.compat import checkpointing_from_args, checkpointing_settings, enable_checkpointing
 from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
 from vlm_grpo.evaluation import evaluate
 from vlm_grpo.model import FastVisionModel
@@ -50,7 +51,8 @@ def test_config_defaults_are_vlm_friendly(tmp_path):
     config = VLMGRPOConfig(output_dir=str(tmp_path))
     assert config.beta == 0.04
     assert config.bf16 is (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    assert config.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    # On by default (TRL's choice), non-reentrant (PyTorch's recommendation), under this transformers' own names.
+    assert checkpointing_from_args(config) == (True, {"use_reentrant": False})
     with pytest.raises(ValueError, match="min_pixels"):
         VLMGRPOConfig(output_dir=str(tmp_path), min_pixels=100, max_pixels=10)
 
@@ -160,7 +162,8 @@ def test_every_loss_setting_gives_trls_own_loss_on_the_same_batch(tiny_dir, tmp_
 
     def trls(**setting):
         model, processor = _model(tiny_dir, peft=True)
-        args = GRPOConfig(**_config_kwargs(tmp_path, **settings, **setting), bf16=False)
+        # Checkpointing named as this transformers names it: TRL's own default sets the deprecated alias.
+        args = GRPOConfig(**_config_kwargs(tmp_path, **settings, **setting), bf16=False, **checkpointing_settings(True))
         return GRPOTrainer(model, [_length], args=args, train_dataset=dataset, processing_class=processor)
 
     inputs = _generated_batch(ours())
@@ -541,7 +544,7 @@ def test_checkpointing_is_back_for_training_after_evaluation(tiny_dir, tmp_path)
 
     config = _config(tmp_path, max_steps=3, eval_strategy="steps", eval_steps=1, eval_on_start=True,
                      per_device_eval_batch_size=8)  # fmt: skip
-    assert config.gradient_checkpointing
+    assert checkpointing_from_args(config)[0]
     trainer = Recorder(model, [_length], args=config, train_dataset=dataset, eval_dataset=dataset.select(range(2)),
                        processing_class=processor)  # fmt: skip
     trainer.train()
@@ -557,10 +560,10 @@ def test_generation_restores_the_models_own_checkpointing_mode(tiny_dir, tmp_pat
     from vlm_grpo.model import checkpointing_mode
 
     model, processor = _model(tiny_dir, peft=True, use_gradient_checkpointing=False)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    enable_checkpointing(model, {"use_reentrant": True})
     dataset = make_visual_reasoning_dataset("color", 8, seed=0)
     trainer = VLMGRPOTrainer(
-        model, [choice], args=_config(tmp_path, gradient_checkpointing=False), train_dataset=dataset,
+        model, [choice], args=_config(tmp_path, **checkpointing_settings(False)), train_dataset=dataset,
         processing_class=processor,
     )  # fmt: skip
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)

@@ -21,10 +21,11 @@ import json
 import math
 import os
 import sys
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from .compat import CHECKPOINTING_ARG, checkpointing_from_args
 
 __all__ = ["ScriptArguments", "UsageError", "main", "parse_args", "run"]
 
@@ -46,7 +47,7 @@ examples:
 COMMON_TRAINING_FLAGS = (
     "output_dir", "max_steps", "num_train_epochs", "learning_rate", "per_device_train_batch_size", "num_generations",
     "max_completion_length", "temperature", "beta", "logging_steps", "save_strategy", "seed",
-    "gradient_checkpointing", "bf16", "min_pixels", "max_pixels", "use_vllm", "report_to", "disable_tqdm",
+    CHECKPOINTING_ARG, "bf16", "min_pixels", "max_pixels", "use_vllm", "report_to", "disable_tqdm",
     "resume_from_checkpoint",
 )  # fmt: skip
 
@@ -221,13 +222,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, Any]:
         # Pinned memory needs an accelerator; torch warns on every epoch.
         parser.set_defaults(use_cpu=True, dataloader_pin_memory=False)
     try:
-        with warnings.catch_warnings():
-            # TRL's and our config defaults still set `gradient_checkpointing*`, renamed `activation_checkpointing*`
-            # in transformers 5.2x; the value is carried over, so the rename warning says nothing to a CLI user.
-            warnings.filterwarnings(
-                "ignore", message=r"`gradient_checkpointing(_kwargs)?` is deprecated", category=FutureWarning
-            )
-            script, config = parser.parse_args_and_config(args=argv)
+        script, config = parser.parse_args_and_config(args=argv)
     except ValueError as error:  # a config's __post_init__ check (e.g. batch size vs num_generations)
         raise UsageError(str(error)) from error
     return script, config
@@ -472,7 +467,7 @@ def _load(script: ScriptArguments, config: Any) -> tuple[Any, Any]:
         load_in_4bit=script.load_in_4bit,
         load_in_8bit=script.load_in_8bit,
         full_finetuning=not script.use_peft,
-        use_gradient_checkpointing=config.gradient_checkpointing,
+        use_gradient_checkpointing=checkpointing_from_args(config)[0],
     )  # the pixel budget (config.min_pixels / max_pixels) is applied by VLMGRPOTrainer and evaluate, for every family
     if script.use_peft:
         model = FastBaseVisionModel.get_peft_model(
@@ -480,7 +475,7 @@ def _load(script: ScriptArguments, config: Any) -> tuple[Any, Any]:
             r=script.lora_r,
             lora_alpha=script.lora_alpha,
             **{flag.name: getattr(script, flag.name) for flag in fields(LoraSelection)},
-            use_gradient_checkpointing=config.gradient_checkpointing,
+            use_gradient_checkpointing=checkpointing_from_args(config)[0],
             random_state=config.seed,
         )
     return model, processor
@@ -523,13 +518,7 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
         model=model, reward_funcs=reward_funcs, args=config, train_dataset=train, processing_class=processor,
     )  # fmt: skip
     _progress_callbacks(trainer, metrics_path)
-    with warnings.catch_warnings():
-        # TRL's own generation helpers call transformers' deprecated `gradient_checkpointing_*` / `is_gradient_checkpointing`
-        # every step; vlm_grpo.model calls the current `activation_checkpointing_*` API itself.
-        warnings.filterwarnings(
-            "ignore", message=r"`(is_)?gradient_checkpointing\w*` is deprecated", category=FutureWarning
-        )
-        trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
 
     # The trained model is saved before the held-out evaluation, so a failure there cannot lose it. A collective
     # (sharded weights are gathered on every rank); rank 0 writes.

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .compat import cache_kwarg
+
 __all__ = ["FastGenerator", "FastPathUnavailable", "group_prompts", "merged_lora", "select_rows"]
 
 logger = logging.getLogger(__name__)
@@ -273,8 +275,8 @@ class FastGenerator:
 
         # Prefill the unique prompts, then copy their KV cache to every row of their group.
         prefill_cache = DynamicCache(config=model.config)
-        out = model(input_ids=input_ids, position_ids=positions, past_key_values=prefill_cache, use_cache=True,
-                    logits_to_keep=1, **kwargs)  # fmt: skip
+        kwargs[cache_kwarg(model)] = prefill_cache
+        out = model(input_ids=input_ids, position_ids=positions, use_cache=True, logits_to_keep=1, **kwargs)
         index = torch.tensor(inverse, device=device)
         cache = self._static_cache(model, batch, cache_len)
         for layer_index, layer in enumerate(prefill_cache.layers):
@@ -337,6 +339,7 @@ class FastGenerator:
     def _decode_fn(self, model: nn.Module):
         """One decode step: `(tokens [B,1], positions, cache slot [1], mask [B, cache_len], cache) -> logits [B, V]`."""
         call = model.__call__
+        cache_name = cache_kwarg(model)  # `cache` (transformers >= 5.2x) or `past_key_values`
         if self._compile_on(model):
             # One compiled callable per model; torch.compile keeps one graph per (batch, cache length).
             if self._compiled_call is None:
@@ -346,8 +349,8 @@ class FastGenerator:
         def step(next_tokens, position, slot, mask, cache):
             if self._compile_on(model):
                 torch.compiler.cudagraph_mark_step_begin()
-            out = call(input_ids=next_tokens, position_ids=position, attention_mask=mask, past_key_values=cache,
-                       cache_position=slot, use_cache=True, logits_to_keep=1)  # fmt: skip
+            out = call(input_ids=next_tokens, position_ids=position, attention_mask=mask, cache_position=slot,
+                       use_cache=True, logits_to_keep=1, **{cache_name: cache})  # fmt: skip
             # Copy: a CUDA graph overwrites its outputs on the next replay.
             return out.logits[:, -1].to(dtype=torch.float32, copy=True)
 

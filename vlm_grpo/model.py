@@ -19,6 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from .compat import (
+    disable_checkpointing,
+    enable_checkpointing,
+    is_checkpointing,
+    quiet_third_party_checkpointing_deprecations,
+)
 from .hooks import VISION_TOWER_NAMES, enable_requires_grad_hooks
 from .images import check_pixel_budget
 from .lora_selection import LoraSelection, select_lora_modules
@@ -26,7 +32,14 @@ from .pixel_budget import set_processor_pixel_budget
 from .processor import load_processor
 from .validation import is_int
 
-__all__ = ["FastBaseVisionModel", "FastVisionModel", "LoraSelection", "select_lora_modules"]
+__all__ = [
+    "FastBaseVisionModel",
+    "FastVisionModel",
+    "LoraSelection",
+    "checkpointing_mode",
+    "is_checkpointing",
+    "select_lora_modules",
+]
 
 _GC_CHOICES = (True, False, "unsloth", "reentrant", "non_reentrant")
 
@@ -90,11 +103,6 @@ def _gc_kwargs(use_gradient_checkpointing: bool | str) -> dict | None:
     return {"use_reentrant": use_gradient_checkpointing == "reentrant"}
 
 
-def is_checkpointing(model: nn.Module) -> bool:
-    """Whether gradient (activation) checkpointing is on; works across transformers' rename of the API."""
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
-
-
 def checkpointing_mode(model: nn.Module) -> bool | str:
     """The model's gradient checkpointing as `for_training` takes it: False (off), "reentrant", or True (non-reentrant).
 
@@ -109,23 +117,12 @@ def checkpointing_mode(model: nn.Module) -> bool | str:
     return False
 
 
-def _checkpointing_off(model: nn.Module) -> None:
-    if is_checkpointing(model):
-        # transformers >= 5.2x calls it activation checkpointing; 5.17 (and PEFT wrappers) know the old name.
-        disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
-        disable()
-
-
 def _set_gradient_checkpointing(model: nn.Module, use_gradient_checkpointing: bool | str) -> None:
     kwargs = _gc_kwargs(use_gradient_checkpointing)
     if kwargs is None:
-        _checkpointing_off(model)
+        disable_checkpointing(model)
         return
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    enable_checkpointing(model, kwargs)
     enable_requires_grad_hooks(model)
 
 
@@ -310,7 +307,8 @@ class FastBaseVisionModel:
             r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=target, bias=bias,
             use_rslora=use_rslora, modules_to_save=modules_to_save, task_type="CAUSAL_LM", **kwargs,
         )  # fmt: skip
-        peft_model = get_peft_model(model, config)
+        with quiet_third_party_checkpointing_deprecations():  # PEFT reads transformers' old checkpointing name
+            peft_model = get_peft_model(model, config)
         if hasattr(model, "_vlm_grpo_processor"):
             object.__setattr__(peft_model, "_vlm_grpo_processor", model._vlm_grpo_processor)
         FastBaseVisionModel.for_training(peft_model, use_gradient_checkpointing)
@@ -320,7 +318,7 @@ class FastBaseVisionModel:
     def for_inference(model: nn.Module) -> nn.Module:
         """Eval mode, gradient checkpointing off, KV cache on, left padding. Idempotent; returns `model`."""
         model.eval()
-        _checkpointing_off(model)
+        disable_checkpointing(model)
         _set_use_cache(model, True)
         processor = getattr(model, "_vlm_grpo_processor", None)
         if processor is not None:

@@ -32,12 +32,18 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
 
+from .compat import (
+    CHECKPOINTING_ARG,
+    checkpointing_from_args,
+    is_checkpointing,
+    quiet_third_party_checkpointing_deprecations,
+)
 from .fast_generation import FastGenerator, FastPathUnavailable
 from .hooks import enable_requires_grad_hooks
 from .image_sizes import add_image_sizes
 from .images import check_pixel_budget
 from .integrations.unsloth import maybe_patch_for_model
-from .model import FastBaseVisionModel, checkpointing_mode, is_checkpointing
+from .model import FastBaseVisionModel, checkpointing_mode
 from .pixel_budget import apply_pixel_budget
 from .processor import load_processor
 from .reward_checks import checked_reward_func
@@ -69,10 +75,33 @@ class VLMGRPOConfig(GRPOConfig):
         default=None,
         metadata={"help": "bf16 mixed precision. None: on when the GPU supports bf16, off otherwise (CPU)."},
     )
-    gradient_checkpointing_kwargs: dict[str, Any] | str | None = field(
-        default_factory=lambda: {"use_reentrant": False},
-        metadata={"help": "Passed to `gradient_checkpointing_enable`. Non-reentrant is PyTorch's recommendation."},
-    )
+    if CHECKPOINTING_ARG == "activation_checkpointing":
+        # transformers >= 5.2x: `activation_checkpointing*`, with `gradient_checkpointing*` its deprecated aliases.
+        # TRL's default (`gradient_checkpointing=True`) set the alias, which warned on every config; ours leaves the
+        # aliases unset and resolves None to the same defaults under the new names, so a user who does set an alias
+        # still gets transformers' warning and their value.
+        activation_checkpointing: bool | None = field(
+            default=None,
+            metadata={"help": "Recompute activations in the backward pass to save memory (~20%% slower). None: on "
+                      "(TRL's default).", "nargs": "?", "const": True},
+        )  # fmt: skip
+        activation_checkpointing_kwargs: dict[str, Any] | str | None = field(
+            default=None,
+            metadata={"help": "Passed to `activation_checkpointing_enable`. None: {'use_reentrant': False}, "
+                      "PyTorch's recommendation."},
+        )  # fmt: skip
+        gradient_checkpointing: bool | None = field(
+            default=None,
+            metadata={"help": "Deprecated alias of `activation_checkpointing`.", "nargs": "?", "const": True},
+        )
+        gradient_checkpointing_kwargs: dict[str, Any] | str | None = field(
+            default=None, metadata={"help": "Deprecated alias of `activation_checkpointing_kwargs`."}
+        )
+    else:  # transformers < 5.2x: TRL's `gradient_checkpointing=True`, non-reentrant
+        gradient_checkpointing_kwargs: dict[str, Any] | str | None = field(
+            default_factory=lambda: {"use_reentrant": False},
+            metadata={"help": "Passed to `gradient_checkpointing_enable`. Non-reentrant is PyTorch's recommendation."},
+        )
     min_pixels: int | None = field(
         default=None,
         metadata={"help": "Smallest image area (pixels) the model is fed; smaller images are upscaled. Qwen2/2.5/3-VL: "
@@ -121,6 +150,11 @@ class VLMGRPOConfig(GRPOConfig):
     )  # fmt: skip
 
     def __post_init__(self) -> None:
+        if CHECKPOINTING_ARG == "activation_checkpointing":
+            if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+                self.activation_checkpointing = True
+            if self.activation_checkpointing_kwargs is None and self.gradient_checkpointing_kwargs is None:
+                self.activation_checkpointing_kwargs = {"use_reentrant": False}
         if self.bf16 is None:
             self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()) and not self.fp16
         check_pixel_budget(self.min_pixels, self.max_pixels)
@@ -216,7 +250,7 @@ class VLMGRPOTrainer(GRPOTrainer):
             model, loaded_processor = FastBaseVisionModel.from_pretrained(
                 model,
                 full_finetuning=kwargs.get("peft_config") is None,
-                use_gradient_checkpointing=args.gradient_checkpointing,
+                use_gradient_checkpointing=checkpointing_from_args(args)[0],
                 **_model_init_kwargs(args, kwargs.pop("quantization_config", None)),
             )
             processing_class = processing_class or loaded_processor
@@ -258,15 +292,16 @@ class VLMGRPOTrainer(GRPOTrainer):
         # pretrained. A fresh LoRA adapter (every B zero) is the identity, so the base model with the adapter disabled
         # is the same reference without the copy's memory and compute.
         fresh_adapter = _is_fresh_lora(model)
-        super().__init__(
-            model=model,
-            reward_funcs=reward_funcs,
-            args=args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            **kwargs,
-        )
+        with quiet_third_party_checkpointing_deprecations():  # TRL (and PEFT, given a peft_config) read the old name
+            super().__init__(
+                model=model,
+                reward_funcs=reward_funcs,
+                args=args,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                processing_class=processing_class,
+                **kwargs,
+            )
         unwrapped = self.accelerator.unwrap_model(self.model)
         # What training runs with when TRL's args leave checkpointing off: the model's own setting, read from the model.
         self._model_checkpointing = checkpointing_mode(unwrapped)
@@ -304,7 +339,8 @@ class VLMGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         inputs = [prepare_row(row, self.pixel_budget) for row in inputs]
         inputs = add_image_sizes(inputs, self.processing_class)  # grounding rewards map boxes back
-        return super()._generate_and_score_completions(inputs)
+        with quiet_third_party_checkpointing_deprecations():  # TRL's step reads transformers' old checkpointing name
+            return super()._generate_and_score_completions(inputs)
 
     def _generate(self, prompts: list):
         # TRL marks a text-only row's images None even in a batch whose other rows have images (vLLM wants that), and
@@ -347,9 +383,10 @@ class VLMGRPOTrainer(GRPOTrainer):
 
     def _training_checkpointing(self) -> bool | str:
         """The checkpointing mode training runs with: TRL's `gradient_checkpointing` args, else the model's own."""
-        if not self.args.gradient_checkpointing:
+        enabled, kwargs = checkpointing_from_args(self.args)
+        if not enabled:
             return self._model_checkpointing
-        return "reentrant" if (self.args.gradient_checkpointing_kwargs or {}).get("use_reentrant") else True
+        return "reentrant" if kwargs.get("use_reentrant") else True
 
     @property
     def _is_zero3(self) -> bool:
