@@ -240,3 +240,24 @@ def test_system_prompt_and_template_reach_the_synthetic_task_prompts(tmp_path):
     with pytest.raises(UsageError, match=r"must contain \{prompt\}"):
         run(*parse_args(["--prompt_template", "no placeholder", "--output_dir", str(tmp_path / "bad")]))
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.trains
+def test_checkpointing_off_holds_through_the_held_out_evaluation(tmp_path, monkeypatch):
+    # Issue 26: the baseline evaluation before training used to switch checkpointing back on for the whole run.
+    from vlm_grpo.compat import CHECKPOINTING_ARG
+    from vlm_grpo.modes import checkpointing_mode
+    from vlm_grpo.trainer import VLMGRPOTrainer
+
+    seen = []
+    compute_loss = VLMGRPOTrainer.compute_loss
+
+    def recording_compute_loss(self, model, inputs, *args, **kwargs):  # the real loss, with the mode noted
+        seen.append(checkpointing_mode(self.accelerator.unwrap_model(model)))
+        return compute_loss(self, model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(VLMGRPOTrainer, "compute_loss", recording_compute_loss)
+    results = run(*parse_args(["--output_dir", str(tmp_path / "run"), "--train_size", "8", "--test_size", "4",
+                               f"--{CHECKPOINTING_ARG}", "false", *TINY_RUN]))  # fmt: skip
+    assert "before/accuracy" in results  # the held-out set was evaluated before training
+    assert seen == [False, False]

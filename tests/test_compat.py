@@ -19,7 +19,8 @@ from vlm_grpo.compat import (
     enable_checkpointing,
     is_checkpointing,
 )
-from vlm_grpo.model import FastVisionModel, checkpointing_mode
+from vlm_grpo.model import FastVisionModel
+from vlm_grpo.modes import checkpointing_mode
 from vlm_grpo.trainer import VLMGRPOConfig
 
 

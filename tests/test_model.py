@@ -8,7 +8,8 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText
 
 from vlm_grpo.compat import enable_checkpointing
-from vlm_grpo.model import FastBaseVisionModel, FastVisionModel, checkpointing_mode, select_lora_modules
+from vlm_grpo.model import FastBaseVisionModel, FastVisionModel, select_lora_modules
+from vlm_grpo.modes import checkpointing_mode
 from vlm_grpo.tiny import TINY_FAMILIES
 
 LANG_ATTN = {f"model.language_model.layers.N.self_attn.{p}_proj" for p in "qkvo"}

@@ -13,6 +13,7 @@ from vlm_grpo.compat import checkpointing_from_args, checkpointing_settings, ena
 from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
 from vlm_grpo.evaluation import evaluate
 from vlm_grpo.model import FastVisionModel
+from vlm_grpo.modes import generating
 from vlm_grpo.reward_checks import RewardFunctionError
 from vlm_grpo.rewards import make_choice_reward
 from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
@@ -530,7 +531,7 @@ def test_frozen_model_is_refused_naming_both_fixes(tiny_dir, tmp_path):
 
 @pytest.mark.trains
 def test_checkpointing_is_back_for_training_after_evaluation(tiny_dir, tmp_path):
-    from vlm_grpo.model import is_checkpointing
+    from vlm_grpo.modes import is_checkpointing
 
     model, processor = _model(tiny_dir, peft=True)
     dataset = make_visual_reasoning_dataset("color", 16, seed=0)
@@ -554,22 +555,69 @@ def test_checkpointing_is_back_for_training_after_evaluation(tiny_dir, tmp_path)
     assert all(training), forwards  # every training step after an evaluation checkpoints, as configured
 
 
-def test_generation_restores_the_models_own_checkpointing_mode(tiny_dir, tmp_path):
-    # TRL's args leave checkpointing off, so after each generation the model gets back the mode it came with: here
-    # reentrant, switched on with transformers' own API rather than FastVisionModel's.
-    from vlm_grpo.model import checkpointing_mode
+def _checkpointing_recorder(forwards: list):
+    """A VLMGRPOTrainer that records (training?, checkpointing mode) at every loss forward."""
+    from vlm_grpo.modes import checkpointing_mode
 
-    model, processor = _model(tiny_dir, peft=True, use_gradient_checkpointing=False)
-    enable_checkpointing(model, {"use_reentrant": True})
+    class Recorder(VLMGRPOTrainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            unwrapped = self.accelerator.unwrap_model(model)
+            forwards.append((unwrapped.training, checkpointing_mode(unwrapped)))
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    return Recorder
+
+
+@pytest.mark.trains
+def test_checkpointing_off_survives_evaluate_and_training(tiny_dir, tmp_path):
+    # Issue 26: evaluate() used to hand the model back with checkpointing on, and the trainer then read it off the model.
+    from vlm_grpo.modes import checkpointing_mode
+
+    model, processor = FastVisionModel.from_pretrained(
+        tiny_dir("qwen2_5_vl", words=COLORS), full_finetuning=True, use_gradient_checkpointing=False
+    )
     dataset = make_visual_reasoning_dataset("color", 8, seed=0)
-    trainer = VLMGRPOTrainer(
-        model, [choice], args=_config(tmp_path, **checkpointing_settings(False)), train_dataset=dataset,
+    assert checkpointing_mode(model) is False and model.training
+    evaluate(model, processor, dataset.select(range(4)), [choice], max_new_tokens=2)
+    assert checkpointing_mode(model) is False and model.training  # found in train mode, given back in train mode
+    forwards: list = []
+    trainer = _checkpointing_recorder(forwards)(
+        model, [choice], args=_config(tmp_path, max_steps=2, **checkpointing_settings(False)), train_dataset=dataset,
         processing_class=processor,
     )  # fmt: skip
+    trainer.train()
+    assert forwards == [(True, False)] * 2
+
+
+def test_reentrant_checkpointing_survives_evaluate_unchanged(tiny_dir):
+    from vlm_grpo.modes import ModelMode, checkpointing_mode
+
+    model, processor = _model(tiny_dir, peft=True, use_gradient_checkpointing="reentrant")
+    model.eval()
+    before = ModelMode.of(model)
+    assert checkpointing_mode(model) == "reentrant"
+    evaluate(model, processor, make_visual_reasoning_dataset("color", 2, seed=0), [choice], max_new_tokens=2)
+    assert ModelMode.of(model) == before  # eval mode, reentrant checkpointing, KV cache setting, padding side
+
+
+def test_the_configs_checkpointing_wins_over_the_models(tiny_dir, tmp_path, caplog):
+    # The args are the truth (as transformers' Trainer treats them): a model that arrives checkpointing trains
+    # without it when the config says off, said in one log line; and generation gives that mode back.
+    from vlm_grpo.modes import checkpointing_mode
+
+    model, processor = _model(tiny_dir, peft=True, use_gradient_checkpointing=False)
+    enable_checkpointing(model, {"use_reentrant": True})  # switched on outside FastVisionModel
+    with caplog.at_level("WARNING", logger="vlm_grpo.trainer"):
+        trainer = VLMGRPOTrainer(
+            model, [choice], args=_config(tmp_path, **checkpointing_settings(False)),
+            train_dataset=make_visual_reasoning_dataset("color", 8, seed=0), processing_class=processor,
+        )  # fmt: skip
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-    FastVisionModel.for_inference(unwrapped)
-    trainer._restore_training_mode(unwrapped, was_training=True)
-    assert checkpointing_mode(unwrapped) == "reentrant"
+    assert checkpointing_mode(unwrapped) is False
+    assert "came with it on (reentrant); training with it off" in caplog.text
+    with generating(unwrapped):
+        assert checkpointing_mode(unwrapped) is False and not unwrapped.training
+    assert checkpointing_mode(unwrapped) is False
 
 
 @pytest.mark.trains

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .image_sizes import add_image_sizes
-from .model import FastBaseVisionModel
+from .modes import generating
 from .pixel_budget import pixel_budget_for_call
 from .reward_checks import reward_name
 from .rows import check_dataset, dataset_row, prepare_row, row_images
@@ -130,20 +130,20 @@ def _scored_batches(model, processor, dataset, funcs, num_generations, max_new_t
         raise ValueError("batch_size must be at least 1.")
     dataset, _ = check_dataset(dataset, "dataset", check_images=False)
     tokenizer = getattr(processor, "tokenizer", processor)
-    was_training = model.training
-    FastBaseVisionModel.for_inference(model)
-    tokenizer.padding_side = "left"
+    padding_side = tokenizer.padding_side
     device = next(model.parameters()).device
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
+    # Inference mode for the call, then the model's own mode back exactly (train/eval, checkpointing and its kwargs):
+    # an evaluation before training must not change how the trainer trains.
     try:
-        with pixel_budget_for_call(processor, min_pixels, max_pixels) as budget:
+        with generating(model), pixel_budget_for_call(processor, min_pixels, max_pixels) as budget:
+            tokenizer.padding_side = "left"
             yield from _batches(model, processor, dataset, funcs, num_generations, max_new_tokens, temperature,
                                 batch_size, budget, device)  # fmt: skip
     finally:
+        tokenizer.padding_side = padding_side
         torch.random.set_rng_state(generator_state)
-        if was_training:
-            FastBaseVisionModel.for_training(model)
 
 
 def _batches(model, processor, dataset, funcs, num_generations, max_new_tokens, temperature, batch_size, budget,

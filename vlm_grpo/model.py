@@ -13,35 +13,21 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
-from .compat import (
-    disable_checkpointing,
-    enable_checkpointing,
-    is_checkpointing,
-    quiet_third_party_checkpointing_deprecations,
-)
-from .hooks import VISION_TOWER_NAMES, enable_requires_grad_hooks
+from . import modes
+from .compat import quiet_third_party_checkpointing_deprecations
+from .hooks import VISION_TOWER_NAMES
 from .images import check_pixel_budget
 from .lora_selection import LoraSelection, select_lora_modules
 from .pixel_budget import set_processor_pixel_budget
 from .processor import load_processor
 from .validation import is_int
 
-__all__ = [
-    "FastBaseVisionModel",
-    "FastVisionModel",
-    "LoraSelection",
-    "checkpointing_mode",
-    "is_checkpointing",
-    "select_lora_modules",
-]
-
-_GC_CHOICES = (True, False, "unsloth", "reentrant", "non_reentrant")
+__all__ = ["FastBaseVisionModel", "FastVisionModel", "LoraSelection", "select_lora_modules"]
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -89,57 +75,6 @@ def _check_quantization(load_in_4bit: bool, load_in_8bit: bool) -> None:
         raise ImportError(
             f"{bits} loading needs bitsandbytes: `pip install 'vlm-grpo[quant]'` (or `pip install bitsandbytes`)."
         ) from error
-
-
-def _gc_kwargs(use_gradient_checkpointing: bool | str) -> dict | None:
-    if use_gradient_checkpointing not in _GC_CHOICES:
-        raise ValueError(
-            f"use_gradient_checkpointing must be one of {_GC_CHOICES}, got {use_gradient_checkpointing!r}."
-        )
-    if use_gradient_checkpointing is False:
-        return None
-    # Non-reentrant is PyTorch's recommended mode and needs no input grads; "reentrant" is kept for parity
-    # with older recipes (the hooks make it train too). Unsloth's "unsloth" offloading mode maps to non-reentrant.
-    return {"use_reentrant": use_gradient_checkpointing == "reentrant"}
-
-
-def checkpointing_mode(model: nn.Module) -> bool | str:
-    """The model's gradient checkpointing as `for_training` takes it: False (off), "reentrant", or True (non-reentrant).
-
-    Read from the model itself: transformers gives every checkpointed layer a `functools.partial` of
-    `torch.utils.checkpoint.checkpoint` holding the `use_reentrant` it was switched on with, so the answer is right
-    however checkpointing was switched on (`get_peft_model`, `for_training`, or transformers directly).
-    """
-    for module in model.modules():
-        if getattr(module, "gradient_checkpointing", False) is True:
-            keywords = getattr(getattr(module, "_gradient_checkpointing_func", None), "keywords", None) or {}
-            return "reentrant" if keywords.get("use_reentrant") else True
-    return False
-
-
-def _set_gradient_checkpointing(model: nn.Module, use_gradient_checkpointing: bool | str) -> None:
-    kwargs = _gc_kwargs(use_gradient_checkpointing)
-    if kwargs is None:
-        disable_checkpointing(model)
-        return
-    enable_checkpointing(model, kwargs)
-    enable_requires_grad_hooks(model)
-
-
-def _set_use_cache(model: nn.Module, value: bool) -> None:
-    for config in {id(c): c for c in _configs(model)}.values():
-        config.use_cache = value
-    generation_config = getattr(model, "generation_config", None)
-    if generation_config is not None:
-        generation_config.use_cache = value
-
-
-def _configs(model: nn.Module):
-    config = getattr(model, "config", None)
-    if config is None:
-        return []
-    subs = [getattr(config, "text_config", None)]
-    return [config] + [c for c in subs if c is not None]
 
 
 class FastBaseVisionModel:
@@ -205,7 +140,7 @@ class FastBaseVisionModel:
                 "full_finetuning needs 16/32-bit weights: drop load_in_4bit / load_in_8bit / quantization_config, or "
                 "use LoRA (FastVisionModel.get_peft_model, or a `peft_config` for VLMGRPOTrainer)."
             )
-        _gc_kwargs(use_gradient_checkpointing)  # validate early
+        modes.checkpointing_kwargs(use_gradient_checkpointing)  # validate early
         check_pixel_budget(min_pixels, max_pixels)
         hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
 
@@ -282,7 +217,7 @@ class FastBaseVisionModel:
             raise ValueError(f"lora_alpha must be positive, got {lora_alpha!r}.")
         if not 0.0 <= lora_dropout < 1.0:
             raise ValueError(f"lora_dropout must be in [0, 1), got {lora_dropout!r}.")
-        _gc_kwargs(use_gradient_checkpointing)
+        modes.checkpointing_kwargs(use_gradient_checkpointing)
 
         if target_modules is None:
             selection = LoraSelection(
@@ -314,27 +249,9 @@ class FastBaseVisionModel:
         FastBaseVisionModel.for_training(peft_model, use_gradient_checkpointing)
         return peft_model
 
-    @staticmethod
-    def for_inference(model: nn.Module) -> nn.Module:
-        """Eval mode, gradient checkpointing off, KV cache on, left padding. Idempotent; returns `model`."""
-        model.eval()
-        disable_checkpointing(model)
-        _set_use_cache(model, True)
-        processor = getattr(model, "_vlm_grpo_processor", None)
-        if processor is not None:
-            getattr(processor, "tokenizer", processor).padding_side = "left"
-        return model
-
-    @staticmethod
-    def for_training(model: nn.Module, use_gradient_checkpointing: bool | str = True) -> nn.Module:
-        """Train mode, gradient checkpointing (and hooks) on, KV cache off. Idempotent; returns `model`."""
-        model.train()
-        _set_use_cache(model, False)
-        if use_gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", True):
-            warnings.warn(f"{type(model).__name__} does not support gradient checkpointing; training without it.")
-            use_gradient_checkpointing = False
-        _set_gradient_checkpointing(model, use_gradient_checkpointing)
-        return model
+    # Mode switching lives in `vlm_grpo.modes` (one owner); these are Unsloth's names for it.
+    for_inference = staticmethod(modes.for_inference)
+    for_training = staticmethod(modes.for_training)
 
     @staticmethod
     def save_pretrained_merged(

@@ -43,7 +43,8 @@ from .hooks import enable_requires_grad_hooks
 from .image_sizes import add_image_sizes
 from .images import check_pixel_budget
 from .integrations.unsloth import maybe_patch_for_model
-from .model import FastBaseVisionModel, checkpointing_mode
+from .model import FastBaseVisionModel
+from .modes import checkpointing_mode, generating, set_checkpointing
 from .pixel_budget import apply_pixel_budget
 from .processor import load_processor
 from .reward_checks import checked_reward_func
@@ -207,6 +208,30 @@ def _compile_default(args: Any, sharded: bool) -> bool | None:
     return False if compile is None and sharded else compile
 
 
+def _apply_configured_checkpointing(model: Any, args: Any) -> None:
+    """Give the model the checkpointing its args configure, whatever state it arrived in (logged when that differs).
+
+    The args are the truth, as transformers' Trainer treats them when they switch checkpointing on: a model left
+    checkpointing by earlier code (an older `evaluate`, `get_peft_model`'s default) must not train with it when the
+    config says off, nor the other way round.
+    """
+    enabled, kwargs = checkpointing_from_args(args)
+    configured: bool | str = ("reentrant" if kwargs.get("use_reentrant") else True) if enabled else False
+    found = checkpointing_mode(model)
+    if configured and not getattr(model, "supports_gradient_checkpointing", True):
+        return  # transformers' Trainer refuses it with its own message
+    if found != configured:
+        logger.warning(
+            "Activation checkpointing: the model came with %s; training with %s, as `%s` in the config says.",
+            _describe_checkpointing(found), _describe_checkpointing(configured), CHECKPOINTING_ARG,
+        )  # fmt: skip
+        set_checkpointing(model, configured)
+
+
+def _describe_checkpointing(mode: bool | str) -> str:
+    return {False: "it off", "reentrant": "it on (reentrant)", True: "it on (non-reentrant)"}[mode]
+
+
 def _refuse_frozen_model(model: Any) -> None:
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(
@@ -303,8 +328,7 @@ class VLMGRPOTrainer(GRPOTrainer):
                 **kwargs,
             )
         unwrapped = self.accelerator.unwrap_model(self.model)
-        # What training runs with when TRL's args leave checkpointing off: the model's own setting, read from the model.
-        self._model_checkpointing = checkpointing_mode(unwrapped)
+        _apply_configured_checkpointing(unwrapped, args)
         if fresh_adapter and "ref" in getattr(unwrapped, "peft_config", {}):
             unwrapped.delete_adapter("ref")
             unwrapped.set_adapter("default")
@@ -361,32 +385,10 @@ class VLMGRPOTrainer(GRPOTrainer):
         return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
 
     def _generate_single_turn(self, *args: Any, **kwargs: Any):
-        model = self.accelerator.unwrap_model(self.model)
-        was_training = model.training
-        FastBaseVisionModel.for_inference(model)
-        try:
+        # Inference mode while generating, then exactly the mode the model was in (train or eval, checkpointing as
+        # configured at __init__): `vlm_grpo.modes` owns the switching.
+        with generating(self.accelerator.unwrap_model(self.model)):
             return self._fast_generate(*args, **kwargs) or super()._generate_single_turn(*args, **kwargs)
-        finally:
-            self._restore_training_mode(model, was_training)
-
-    def _restore_training_mode(self, model: Any, was_training: bool) -> None:
-        """Undo `for_inference` after a generation: checkpointing (and the KV cache off) as configured, always.
-
-        The configured state, not the state before generating, is the truth: an evaluation's rollout starts with
-        checkpointing already off (the previous one turned it off), so "as it was" would lose it for the rest of the
-        run. An evaluating model stays in eval mode (transformers checkpoints only in train mode, and Trainer's
-        `training_step` calls `model.train()` before the next training forward).
-        """
-        FastBaseVisionModel.for_training(model, use_gradient_checkpointing=self._training_checkpointing())
-        if not was_training:
-            model.eval()
-
-    def _training_checkpointing(self) -> bool | str:
-        """The checkpointing mode training runs with: TRL's `gradient_checkpointing` args, else the model's own."""
-        enabled, kwargs = checkpointing_from_args(self.args)
-        if not enabled:
-            return self._model_checkpointing
-        return "reentrant" if kwargs.get("use_reentrant") else True
 
     @property
     def _is_zero3(self) -> bool:
