@@ -28,13 +28,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-TRAINERS = ("vlm-grpo", "trl", "trl-static", "vlm-grpo-unmerged", "vlm-grpo-plain")
+TRAINERS = ("vlm-grpo", "trl", "trl-static", "vlm-grpo-unmerged", "vlm-grpo-plain", "vlm-grpo-light", "trl-bf16")
 # vlm-grpo variants: the default (fast generation with LoRA merged while generating), LoRA left unmerged while
-# generating, and TRL's plain generation path (what vlm-grpo did before vlm_grpo.fast_generation).
+# generating, TRL's plain generation path (what vlm-grpo did before vlm_grpo.fast_generation), and, for 4-bit / 8-bit
+# models, the memory-light quantised mode (the default "auto" picks "copy" when it fits). `trl-bf16` is plain TRL on
+# the 16-bit model even with --load_in_4bit: the memory reference a quantised run is held against.
 VLM_VARIANTS = {
     "vlm-grpo": {},
     "vlm-grpo-unmerged": {"fast_generation_merge_lora": False},
     "vlm-grpo-plain": {"fast_generation": False},
+    "vlm-grpo-light": {"fast_generation_quantized": "light"},
 }
 
 
@@ -53,6 +56,10 @@ def parse_args(argv=None):
     p.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA r=16 on all linear layers")
     p.add_argument("--no_gradient_checkpointing", action="store_true")
     p.add_argument("--load_in_4bit", action="store_true")
+    p.add_argument("--load_in_8bit", action="store_true")
+    p.add_argument("--memory_cap_gib", type=float, default=None,
+                   help="cap every process at this much GPU memory (torch.cuda.set_per_process_memory_fraction), "
+                   "e.g. 24 for a 24 GB card; a run that needs more fails with an out-of-memory error")  # fmt: skip
     p.add_argument("--beta", type=float, default=0.04)
     p.add_argument("--trainers", default=",".join(TRAINERS), help="comma-separated subset of " + ",".join(TRAINERS))
     p.add_argument("--checkpoint_dir", default="/tmp/vlm-grpo-bench", help="where the random checkpoint is cached")
@@ -153,6 +160,12 @@ def run_worker(args) -> None:
     else:
         checkpoint = build_checkpoint(args.model, os.path.join(args.checkpoint_dir, args.model))
     on_gpu = torch.cuda.is_available()
+    if on_gpu and args.memory_cap_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2**30 / total), 0)
+    quantized = {"load_in_4bit": args.load_in_4bit, "load_in_8bit": args.load_in_8bit}
+    if trainer_name == "trl-bf16":
+        quantized = {"load_in_4bit": False, "load_in_8bit": False}
     common = dict(
         output_dir=os.path.join("/tmp", f"bench-{trainer_name}"), per_device_train_batch_size=args.prompts * args.num_generations,
         num_generations=args.num_generations, max_completion_length=args.completion_length,
@@ -169,8 +182,7 @@ def run_worker(args) -> None:
 
         common.update(VLM_VARIANTS[trainer_name])
 
-        model, processor = FastVisionModel.from_pretrained(checkpoint, load_in_4bit=args.load_in_4bit,
-                                                           full_finetuning=args.full)  # fmt: skip
+        model, processor = FastVisionModel.from_pretrained(checkpoint, **quantized, full_finetuning=args.full)
         if not args.full:
             model = FastVisionModel.get_peft_model(model, r=16, lora_alpha=16)
         trainer = _timed(VLMGRPOTrainer)(model, [_reward], args=VLMGRPOConfig(**common), train_dataset=dataset,
@@ -181,11 +193,13 @@ def run_worker(args) -> None:
         from trl import GRPOConfig, GRPOTrainer
 
         kwargs = dict(dtype=torch.bfloat16, device_map={"": 0}) if on_gpu else {}
-        if args.load_in_4bit:
+        if quantized["load_in_4bit"]:
             kwargs["quantization_config"] = BitsAndBytesConfig(
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                 bnb_4bit_compute_dtype=torch.bfloat16,
             )  # fmt: skip
+        elif quantized["load_in_8bit"]:
+            kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
         model = AutoModelForImageTextToText.from_pretrained(checkpoint, **kwargs)
         if on_gpu:
             processor = AutoProcessor.from_pretrained(checkpoint, padding_side="left")
@@ -209,6 +223,8 @@ def run_worker(args) -> None:
               "params": sum(p.numel() for p in trainer.model.parameters()),
               "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
               "fast_generation": dict(getattr(getattr(trainer, "fast_generator", None), "stats", {})),
+              "quantized_generation": (trainer.fast_generator.describe_quantized()
+                                       if hasattr(trainer, "fast_generator") else {}),
               # vlm-grpo: log-prob calls served by the shared-prefix path, and why any fell back to TRL's
               "shared_prefix_calls": getattr(trainer, "shared_prefix_calls", None),
               "shared_prefix_fallbacks": getattr(trainer, "shared_prefix_fallbacks", {})}  # fmt: skip
@@ -239,7 +255,9 @@ def _markdown(summaries: dict, args, env: dict) -> str:
     head = (f"{args.model}, {args.image_size}x{args.image_size} image, {args.prompts} prompts x {args.num_generations} "
             f"generations, {args.completion_length} new tokens, {'full' if args.full else 'LoRA r=16 all linear'}, "
             f"gradient checkpointing {'off' if args.no_gradient_checkpointing else 'on'}, "
-            f"{'4-bit' if args.load_in_4bit else 'bf16'}, beta {args.beta}; median of steps 2..{args.steps}")  # fmt: skip
+            f"{'4-bit' if args.load_in_4bit else '8-bit' if args.load_in_8bit else 'bf16'}, beta {args.beta}"
+            f"{f', GPU memory capped at {args.memory_cap_gib:g} GiB' if args.memory_cap_gib else ''}; "
+            f"median of steps 2..{args.steps}")  # fmt: skip
     versions = f"torch {env['torch']}, transformers {env['transformers']}, trl {env['trl']}, peft {env['peft']}"
     columns = ("| trainer | step s | generation s | scoring s | training s | gen tok/s | ms/token | peak GiB "
                "| warm-up step s | compiled graphs / steps |")  # fmt: skip
@@ -255,7 +273,7 @@ def _markdown(summaries: dict, args, env: dict) -> str:
 
     for mine in (n for n in summaries if n in VLM_VARIANTS):
         ours = summaries[mine]
-        for base in ("trl", "trl-static"):
+        for base in ("trl", "trl-static", "trl-bf16"):
             if base in summaries:
                 b = summaries[base]
                 keys = (
@@ -288,6 +306,7 @@ def main(argv=None) -> None:
     os.makedirs(args.out, exist_ok=True)
     trainers = [t for t in args.trainers.split(",") if t]
     runs: dict = {t: [] for t in trainers}
+    failures: dict = {}
     forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]
     for round_index in range(args.rounds):
         order = trainers if round_index % 2 == 0 else trainers[::-1]  # alternate so drift hits all sides
@@ -302,6 +321,8 @@ def main(argv=None) -> None:
             )
             if proc.returncode != 0:
                 print(proc.stdout[-2000:], proc.stderr[-6000:], flush=True)
+                last = [line for line in proc.stderr.strip().splitlines() if line.strip()][-1:] or ["no output"]
+                failures[name] = "out of memory" if "OutOfMemoryError" in proc.stderr else last[0][-200:]
                 continue
             with open(out) as f:
                 runs[name].append(json.load(f))
@@ -312,10 +333,18 @@ def main(argv=None) -> None:
             summaries[name] = _summary(
                 {"steps": steps, "compiled_graphs": name_runs[0].get("compiled_graphs", 0)}, args
             )
+            summaries[name]["quantized_generation"] = name_runs[0].get("quantized_generation") or {}
     table = _markdown(summaries, args, env)
+    for name, why in failures.items():
+        table += f"| {name} | failed: {why} |\n"
+    for name, summary in summaries.items():
+        if q := summary["quantized_generation"]:
+            table += (f"\n{name}: quantised layers generate in {q['mode']} mode ({q['layers']} layers, "
+                      f"{q['copy_gib']:.1f} GiB of 16-bit copies)\n")  # fmt: skip
     print(table, flush=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"args": vars(args), "env": env, "summaries": summaries, "runs": runs}, f, indent=1)
+        json.dump({"args": vars(args), "env": env, "summaries": summaries, "runs": runs, "failures": failures}, f,
+                  indent=1)  # fmt: skip
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)
 

@@ -91,7 +91,7 @@ def test_help_starts_with_what_the_command_does(tmp_path):
     "args, message",
     [
         (["--task", "nonsense"], "unknown --task 'nonsense'"),
-        (["--load_in_4bit"], "--load_in_4bit"),
+        (["--load_in_4bit", "--load_in_8bit"], "Choose one of load_in_4bit=True or load_in_8bit=True"),
         (["--model", "tiny:nope"], "Unknown tiny family 'nope'"),
         (["--reward_funcs", "no_such_reward"], "answer_accuracy"),  # the valid names are listed
         (["--dataset", "missing/data/train.jsonl"], "no such file"),

@@ -123,3 +123,18 @@ def test_guard_leaves_a_libraries_own_deprecated_call_to_the_filters():
         warnings.simplefilter("ignore")
         OTHER["uses_old_api"](LIBRARY["old_api"])  # another library calls it: theirs to fix
     assert deprecation_guard.found == []
+
+
+def test_guard_leaves_a_plumbing_librarys_deprecation_raised_under_another_library_to_the_filters():
+    # torch deprecates its own API; bitsandbytes calls it as it is imported by a test: bitsandbytes' to fix.
+    torch_api = _library_function(_old_api, "torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        OTHER["uses_old_api"](torch_api)
+    assert deprecation_guard.found == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        line = sys._getframe().f_lineno + 1
+        torch_api()  # called by us: ours
+    found, deprecation_guard.found[:] = list(deprecation_guard.found), []
+    assert found == [f"tests/test_compat.py:{line}: old_api is deprecated"]

@@ -13,6 +13,8 @@ min_new_tokens) and its position rules, and changes three things:
    compiles once per (batch size, cache bucket) instead of once per step.
 3. Optionally, LoRA is merged into the base weights while generating (one matmul per projection instead
    of three) and the original weights are copied back afterwards, bit for bit.
+4. bitsandbytes 4-bit / 8-bit layers, which cannot be compiled, are replaced for the call by plain stand-ins
+   (`vlm_grpo.quantized_generation`), so QLoRA models take this path too.
 
 Everything else (EOS and pad handling, the mask after EOS) is what `generate` does, so the plain path and
 this one give the same tokens under greedy decoding and the same per-token distributions when sampling.
@@ -31,6 +33,13 @@ import torch
 from torch import nn
 
 from .compat import cache_kwarg
+from .quantized_generation import (
+    QuantizedGenerationUnsupported,
+    QuantizedLayers,
+    describe,
+    has_quantized_layers,
+    is_quantized_linear,
+)
 
 __all__ = ["FastGenerator", "FastPathUnavailable", "group_prompts", "merged_lora", "select_rows"]
 
@@ -123,16 +132,22 @@ def merged_lora(model: nn.Module) -> Iterator[bool]:
     """Merge the active LoRA adapters into the base weights for the duration of the block.
 
     Yields True when merged (the adapters are disabled inside the block, the merged weights do their work),
-    False when the model cannot be merged exactly (quantised base, DoRA, no LoRA), in which case nothing
+    False when the model cannot be merged exactly (DoRA, a non-linear base, no 16-bit LoRA), in which case nothing
     changes. The base weights are copied before merging and copied back after, so they come back bit-identical
     (a bf16 merge followed by an unmerge would round).
     """
-    layers = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "get_base_layer")]
+    # Quantised (bitsandbytes) bases are left out: `vlm_grpo.quantized_generation` swaps them for plain layers with
+    # their adapters applied while generating, so disabling their adapters here changes nothing.
+    layers = [
+        m
+        for m in model.modules()
+        if hasattr(m, "lora_A") and hasattr(m, "get_base_layer") and not is_quantized_linear(m.get_base_layer())
+    ]
     mergeable = bool(layers) and hasattr(model, "disable_adapter")
     for layer in layers:
         base = layer.get_base_layer()
         if type(base) is not nn.Linear or any(getattr(layer, "use_dora", {}).values()):
-            mergeable = False  # quantised (bitsandbytes) or DoRA: generate unmerged
+            mergeable = False  # another layer type, or DoRA: generate unmerged
             break
     if not mergeable:
         yield False
@@ -168,17 +183,22 @@ class FastGenerator:
     Args:
         compile: compile the decode step (a CUDA graph); None: on CUDA only (compiling on CPU costs more than
             it saves for the tiny models used there).
-        merge_lora: merge LoRA into the base weights while generating (exactly restored afterwards).
+        merge_lora: merge LoRA into the 16-bit base weights while generating (exactly restored afterwards).
+        quantized: how bitsandbytes 4-bit / 8-bit layers generate ("auto", "copy" or "light"; see
+            `vlm_grpo.quantized_generation`): plain stand-ins, so the decode step compiles like a 16-bit model's.
         cache_bucket: the static cache length is rounded up to a multiple of this, so prompts of different
             lengths reuse one compiled graph.
     """
 
     compile: bool | None = None
     merge_lora: bool = True
+    quantized: str = "auto"
     cache_bucket: int = 256
     stats: dict[str, int] = field(default_factory=lambda: {"calls": 0, "rows": 0, "prefill_rows": 0, "decode_steps": 0})
     _caches: dict[tuple[int, int], Any] = field(default_factory=dict, repr=False)
     _compiled_call: Any = field(default=None, repr=False)
+    _quantized_layers: QuantizedLayers | None = field(default=None, repr=False)
+    _quantized_model: int | None = field(default=None, repr=False)
 
     def unsupported_reason(self, model: nn.Module) -> str | None:
         """Why this model cannot use the fast path (None when it can)."""
@@ -187,13 +207,26 @@ class FastGenerator:
             return "encoder-decoder models are not supported"
         if not hasattr(base, "_prepare_position_ids_for_generation") or not hasattr(base, "_get_logits_processor"):
             return "this transformers version lacks the generation helpers the fast path reuses"
+        quantizer = getattr(base, "hf_quantizer", None)
         if (
-            getattr(base, "hf_quantizer", None) is not None
+            quantizer is not None
+            and not has_quantized_layers(base)  # bitsandbytes layers generate through plain stand-ins
             and self._compile_on(base)
-            and not base.hf_quantizer.is_compileable
+            and not quantizer.is_compileable
         ):
-            return f"{type(base.hf_quantizer).__name__} weights cannot be compiled"
+            return f"{type(quantizer).__name__} weights cannot be compiled"
         return None
+
+    def quantized_layers(self, model: nn.Module) -> QuantizedLayers | None:
+        """The stand-ins for `model`'s quantised layers (built on the first generation; None without any)."""
+        if self._quantized_model != id(model):
+            self._quantized_model = id(model)
+            self._quantized_layers = QuantizedLayers(model, self.quantized) if has_quantized_layers(model) else None
+        return self._quantized_layers
+
+    def describe_quantized(self) -> dict[str, Any]:
+        """How quantised layers generate: mode, layers replaced, GiB of copies held (empty without any)."""
+        return describe(self._quantized_layers)
 
     def _compile_on(self, model: nn.Module) -> bool:
         return self.compile if self.compile is not None else next(model.parameters()).device.type == "cuda"
@@ -217,10 +250,15 @@ class FastGenerator:
         device = next(base.parameters()).device
         unique, inverse = group_prompts(prompt_ids, images)
         images_per_row = [len(row or []) for row in images] if images is not None else [0] * len(prompt_ids)
-        context = merged_lora(model) if self.merge_lora else contextlib.nullcontext(False)
-        with context:
-            rows = self._generate(base, device, prompt_ids, unique, inverse, images_per_row, multimodal_fields,
-                                  generation_config, pad_token_id)  # fmt: skip
+        try:
+            quantized = self.quantized_layers(model)
+            swapped = quantized.swapped() if quantized is not None else contextlib.nullcontext()
+            merged = merged_lora(model) if self.merge_lora else contextlib.nullcontext(False)
+            with swapped, merged:  # stand-ins first: they read the adapters before `merged_lora` disables them
+                rows = self._generate(base, device, prompt_ids, unique, inverse, images_per_row, multimodal_fields,
+                                      generation_config, pad_token_id)  # fmt: skip
+        except QuantizedGenerationUnsupported as error:  # raised before anything was swapped or generated
+            raise FastPathUnavailable(str(error)) from error
         self.stats["calls"] += 1
         self.stats["rows"] += len(prompt_ids)
         self.stats["prefill_rows"] += len(unique)

@@ -64,17 +64,28 @@ def _check_quantization(load_in_4bit: bool, load_in_8bit: bool) -> None:
     if load_in_4bit and load_in_8bit:
         raise ValueError("Choose one of load_in_4bit=True or load_in_8bit=True, not both.")
     bits = "4-bit" if load_in_4bit else "8-bit"
-    if not torch.cuda.is_available():
-        raise RuntimeError(
-            f"{bits} loading needs a CUDA GPU (bitsandbytes kernels), and none is available. "
-            "Load in 16/32-bit instead (load_in_4bit=False, load_in_8bit=False) or run on a GPU machine."
-        )
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as error:
         raise ImportError(
             f"{bits} loading needs bitsandbytes: `pip install 'vlm-grpo[quant]'` (or `pip install bitsandbytes`)."
         ) from error
+    if not torch.cuda.is_available() and not _bitsandbytes_runs_on_cpu():
+        raise RuntimeError(
+            f"{bits} loading needs a CUDA GPU, or bitsandbytes >= 0.46 with its CPU backend, and neither is here. "
+            "Load in 16/32-bit instead (load_in_4bit=False, load_in_8bit=False), upgrade bitsandbytes, or run on a GPU."
+        )
+
+
+def _bitsandbytes_runs_on_cpu() -> bool:
+    """Whether this bitsandbytes quantises on the CPU (its multi-backend releases do; older ones are CUDA-only)."""
+    from bitsandbytes.functional import quantize_4bit
+
+    try:
+        quantize_4bit(torch.ones(64))
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return False
+    return True
 
 
 class FastBaseVisionModel:

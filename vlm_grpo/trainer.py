@@ -13,7 +13,8 @@ overrides only these hooks:
 - `_generate`: text-only rows in a batch with images get `[]` images (TRL's None breaks the processor).
 - `_calculate_rewards`: rows whose prompt was a string reach the rewards as strings again.
 - `_generate_single_turn`: the model switched to inference mode for generation and back after; completions
-  from `vlm_grpo.fast_generation` (one prefill per prompt group, compiled decode) unless TRL's vLLM path or a
+  from `vlm_grpo.fast_generation` (one prefill per prompt group, compiled decode; 4-bit / 8-bit layers through
+  `vlm_grpo.quantized_generation`'s stand-ins) unless TRL's vLLM path or a
   setting it cannot serve is in use (then TRL's `model.generate`, with a one-time log line naming why).
 - `save_model`: also writes the model under FSDP with sharded checkpoints (transformers writes nothing there).
 - `_get_per_token_logps_and_entropies`: each group's prompt and images computed once (`vlm_grpo.shared_prefix`),
@@ -47,6 +48,7 @@ from .model import FastBaseVisionModel
 from .modes import checkpointing_mode, generating, set_checkpointing
 from .pixel_budget import apply_pixel_budget
 from .processor import load_processor
+from .quantized_generation import QUANTIZED_MODES
 from .reward_checks import checked_reward_func
 from .rows import check_dataset, prepare_row, rows_for_rewards
 from .sharded import full_weights
@@ -141,7 +143,15 @@ class VLMGRPOConfig(GRPOConfig):
     fast_generation_merge_lora: bool = field(
         default=True,
         metadata={"help": "Merge LoRA into the 16-bit base weights while generating (restored bit-exactly after; costs "
-                  "one copy of the adapted weights in memory). 4-bit bases always generate unmerged."},
+                  "one copy of the adapted weights in memory). 4-bit / 8-bit bases: see fast_generation_quantized."},
+    )  # fmt: skip
+    fast_generation_quantized: str = field(
+        default="auto",
+        metadata={"help": "How bitsandbytes 4-bit / 8-bit layers generate on the fast path. 'copy': a 16-bit copy of "
+                  "the weights with LoRA merged, refreshed every generation (16-bit speed; +2 bytes per quantised "
+                  "weight, ~6 GiB for a 3B model). 'light': each layer dequantised as it runs, LoRA unmerged (about "
+                  "one layer's memory; slower). 'auto': 'copy' when it fits with a quarter of the GPU left for "
+                  "training, else 'light' (logged).", "choices": list(QUANTIZED_MODES)},
     )  # fmt: skip
     shared_prefix: bool = field(
         default=True,
@@ -159,6 +169,11 @@ class VLMGRPOConfig(GRPOConfig):
         if self.bf16 is None:
             self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()) and not self.fp16
         check_pixel_budget(self.min_pixels, self.max_pixels)
+        if self.fast_generation_quantized not in QUANTIZED_MODES:
+            raise ValueError(
+                f"fast_generation_quantized must be one of {', '.join(QUANTIZED_MODES)}, "
+                f"got {self.fast_generation_quantized!r}."
+            )
         super().__post_init__()
 
 
@@ -338,6 +353,7 @@ class VLMGRPOTrainer(GRPOTrainer):
         self.fast_generator = FastGenerator(
             compile=_compile_default(args, sharded=self.is_fsdp_enabled or self._is_zero3),
             merge_lora=getattr(args, "fast_generation_merge_lora", True),
+            quantized=getattr(args, "fast_generation_quantized", "auto"),
         )
         self._fast_generation_fallbacks: set[str] = set()
 
