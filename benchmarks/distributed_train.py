@@ -158,8 +158,8 @@ def main() -> None:
         if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
             _allow_fsdp_on_cpu()
 
+    from vlm_grpo.engine.sharded import full_weights, sharding
     from vlm_grpo.model import FastVisionModel
-    from vlm_grpo.sharded import full_weights, sharding
     from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
     # The model is built before the config: once the config has set up the process group, transformers'

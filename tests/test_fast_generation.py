@@ -16,7 +16,7 @@ from PIL import Image
 from trl.data_utils import prepare_multimodal_messages
 from trl.trainer.grpo_trainer import GRPOTrainer
 
-from vlm_grpo.fast_generation import group_prompts, merged_lora
+from vlm_grpo.engine.fast_generation import merged_lora
 from vlm_grpo.model import FastVisionModel
 from vlm_grpo.rows import prepare_row
 from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
@@ -163,11 +163,6 @@ def test_a_batch_the_fast_path_cannot_serve_falls_back_once_with_the_reason(
     messages = [r.getMessage() for r in caplog.records if "Fast generation is off" in r.getMessage()]
     assert len(messages) == 1 and reason in messages[0]
     assert trainer.fast_generator.stats["calls"] == 0
-
-
-def test_group_prompts_compares_pixels_not_objects():
-    a, b = _image(0), _image(0)  # equal pixels, distinct objects (as TRL's sampler gives them)
-    assert group_prompts([[1, 2], [1, 2], [1, 2], [3]], [[a], [b], [_image(1)], None]) == ([0, 2, 3], [0, 0, 1, 2])
 
 
 @pytest.mark.slow

@@ -13,9 +13,9 @@ import torch
 from datasets import Dataset
 from test_fast_generation import ROWS, _batch, _fast, _plain, _zero_reward
 
-from vlm_grpo.fast_generation import FastGenerator, FastPathUnavailable
+from vlm_grpo.engine.fast_generation import FastGenerator, FastPathUnavailable
+from vlm_grpo.engine.quantized_generation import QuantizedLayers, choose_mode, has_quantized_layers, is_quantized_linear
 from vlm_grpo.model import FastVisionModel
-from vlm_grpo.quantized_generation import QuantizedLayers, choose_mode, has_quantized_layers, is_quantized_linear
 from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
 bnb = pytest.importorskip("bitsandbytes", reason="the quantised fast path needs bitsandbytes (`pip install .[quant]`)")

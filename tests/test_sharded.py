@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from vlm_grpo.sharded import full_weights, sharding, unsupported_reason
+from vlm_grpo.engine.sharded import full_weights, sharding, unsupported_reason
 from vlm_grpo.trainer import _compile_default
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,10 +12,10 @@ from trl.trainer.utils import shuffle_sequence_dict, split_pixel_values_by_grid,
 
 from vlm_grpo.compat import checkpointing_settings
 from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
+from vlm_grpo.engine.shared_prefix import unsupported_reason
 from vlm_grpo.hooks import find_vision_tower
 from vlm_grpo.model import FastVisionModel
 from vlm_grpo.modes import is_checkpointing
-from vlm_grpo.shared_prefix import unsupported_reason
 from vlm_grpo.tiny import TINY_FAMILIES
 from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
 

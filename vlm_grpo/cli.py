@@ -486,10 +486,10 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     `after/…`; empty without a held-out set). Raises `UsageError` for bad arguments, before writing anything."""
     import torch
 
+    from .engine.sharded import full_weights
     from .evaluation import evaluate
     from .export import atomic_directory
     from .reward_checks import reward_name
-    from .sharded import full_weights
     from .trainer import VLMGRPOTrainer
 
     _check(script, config)

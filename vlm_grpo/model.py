@@ -276,8 +276,8 @@ class FastBaseVisionModel:
         training can go on). The directory is written to a temporary sibling
         and renamed into place, so an interrupted save never leaves a half-written checkpoint.
         """
+        from .engine.sharded import full_weights, is_main_process
         from .export import merged_state_dict, write_checkpoint
-        from .sharded import full_weights, is_main_process
 
         # A sharded (FSDP2 / ZeRO-3) model is gathered on every rank (a collective: call this on all ranks);
         # rank 0 merges and writes, the others wait for the directory to be in place.

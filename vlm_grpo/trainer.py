@@ -13,11 +13,11 @@ overrides only these hooks:
 - `_generate`: text-only rows in a batch with images get `[]` images (TRL's None breaks the processor).
 - `_calculate_rewards`: rows whose prompt was a string reach the rewards as strings again.
 - `_generate_single_turn`: the model switched to inference mode for generation and back after; completions
-  from `vlm_grpo.fast_generation` (one prefill per prompt group, compiled decode; 4-bit / 8-bit layers through
-  `vlm_grpo.quantized_generation`'s stand-ins) unless TRL's vLLM path or a
+  from `vlm_grpo.engine.fast_generation` (one prefill per prompt group, compiled decode; 4-bit / 8-bit layers through
+  `vlm_grpo.engine.quantized_generation`'s stand-ins) unless TRL's vLLM path or a
   setting it cannot serve is in use (then TRL's `model.generate`, with a one-time log line naming why).
 - `save_model`: also writes the model under FSDP with sharded checkpoints (transformers writes nothing there).
-- `_get_per_token_logps_and_entropies`: each group's prompt and images computed once (`vlm_grpo.shared_prefix`),
+- `_get_per_token_logps_and_entropies`: each group's prompt and images computed once (`vlm_grpo.engine.shared_prefix`),
   same log-probs and gradients; TRL's per-row forward for what it cannot serve (a one-time log line naming why).
 Everything else (losses, GSPO, vLLM, logging, checkpointing) is TRL's own.
 """
@@ -39,7 +39,11 @@ from .compat import (
     is_checkpointing,
     quiet_third_party_checkpointing_deprecations,
 )
-from .fast_generation import FastGenerator, FastPathUnavailable
+from .engine.fast_generation import FastGenerator, FastPathUnavailable
+from .engine.quantized_generation import QUANTIZED_MODES
+from .engine.sharded import full_weights
+from .engine.sharded import unsupported_reason as sharded_unsupported_reason
+from .engine.shared_prefix import SharedPrefixUnsupported, shared_prefix_logps
 from .hooks import enable_requires_grad_hooks
 from .image_sizes import add_image_sizes
 from .images import check_pixel_budget
@@ -48,12 +52,8 @@ from .model import FastBaseVisionModel
 from .modes import checkpointing_mode, generating, set_checkpointing
 from .pixel_budget import apply_pixel_budget
 from .processor import load_processor
-from .quantized_generation import QUANTIZED_MODES
 from .reward_checks import checked_reward_func
 from .rows import check_dataset, prepare_row, rows_for_rewards
-from .sharded import full_weights
-from .sharded import unsupported_reason as sharded_unsupported_reason
-from .shared_prefix import SharedPrefixUnsupported, shared_prefix_logps
 
 __all__ = ["VLMGRPOConfig", "VLMGRPOTrainer"]
 
@@ -131,7 +131,7 @@ class VLMGRPOConfig(GRPOConfig):
     )  # fmt: skip
     fast_generation: bool = field(
         default=True,
-        metadata={"help": "Generate with vlm_grpo.fast_generation: one prefill per prompt group, a static KV cache and "
+        metadata={"help": "Generate with vlm_grpo.engine.fast_generation: one prefill per prompt group, a static KV cache and "
                   "a compiled decode step (same tokens as the plain path). False: TRL's `model.generate` path. "
                   "Ignored with use_vllm."},
     )  # fmt: skip
@@ -424,7 +424,7 @@ class VLMGRPOTrainer(GRPOTrainer):
         return self.fast_generator.unsupported_reason(self.accelerator.unwrap_model(self.model))
 
     def _fast_generate(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        """Completions from `vlm_grpo.fast_generation`, or None when the plain path must serve this call."""
+        """Completions from `vlm_grpo.engine.fast_generation`, or None when the plain path must serve this call."""
         if not getattr(self.args, "fast_generation", False):
             return None
         reason = self._fast_generation_blocker(has_tool_images)
@@ -460,7 +460,7 @@ class VLMGRPOTrainer(GRPOTrainer):
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
         compute_aux_loss=False, **model_inputs,
     ):  # fmt: skip
-        # Each group's prompt and images computed once (vlm_grpo.shared_prefix), else TRL's per-row forward.
+        # Each group's prompt and images computed once (vlm_grpo.engine.shared_prefix), else TRL's per-row forward.
         if getattr(self.args, "shared_prefix", False):
             try:
                 with self.accelerator.autocast():

@@ -3,7 +3,7 @@
 bitsandbytes layers cannot be compiled into a CUDA graph, so QLoRA generation used to fall back to TRL's path (148 ms
 per token for a 3B model, a step 1.15x TRL's). `QuantizedLayers.swapped()` puts an ordinary layer in the place of
 every quantised linear layer (and of its LoRA wrapper) for the duration of one generation, and the originals back
-afterwards, so the compiled decode step of `vlm_grpo.fast_generation` runs on plain tensors. The stored quantised
+afterwards, so the compiled decode step of `vlm_grpo.engine.fast_generation` runs on plain tensors. The stored quantised
 weights, the adapters and the training path are never written to.
 
 Two modes (`VLMGRPOConfig.fast_generation_quantized`):

@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from .batch_layout import ImageLayout, LayoutUnknown, group_rows
+
 __all__ = ["SUPPORTED_MODEL_TYPES", "SharedPrefixUnsupported", "shared_prefix_logps", "unsupported_reason"]
 
 _MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -104,72 +106,15 @@ def unsupported_reason(model: torch.nn.Module, compute_aux_loss: bool = False, *
 
 
 @dataclass
-class _Images:
-    """Where each row's images live in the batch's vision tensors (contiguous ranges along dim 0)."""
-
-    pixel_ranges: list[tuple[int, int]]  # into pixel_values (Qwen: patch rows; Gemma3: images; Idefics3: rows)
-    grid_ranges: list[tuple[int, int]] | None  # into image_grid_thw (Qwen)
-    keys: list[tuple]  # per row, what must match besides the pixels (counts, grids)
-
-
-@dataclass
 class _Group:
     rows: list[int]  # batch rows sharing prompt and images; rows[0] supplies them
     prompt_cols: list[int]  # unpadded prompt columns of rows[0]
     completion_cols: dict[int, list[int]] = field(default_factory=dict)  # row -> unpadded completion columns
 
 
-def _image_layout(model_inputs: dict[str, Any], batch: int) -> _Images | None:
-    pixel_values = model_inputs.get("pixel_values")
-    if pixel_values is None:
-        return None
-    num_images = list(model_inputs["num_images"])
-    image_starts = [0]
-    for n in num_images:
-        image_starts.append(image_starts[-1] + n)
-    image_ranges = [(image_starts[r], image_starts[r + 1]) for r in range(batch)]
-    grid = model_inputs.get("image_grid_thw")
-    pixel_attention_mask = model_inputs.get("pixel_attention_mask")
-    if grid is not None:  # Qwen: pixel_values are patch rows, image_grid_thw[i].prod() of them per image
-        grid_rows = [tuple(g) for g in grid.tolist()]
-        patch_starts = [0]
-        for g in grid_rows:
-            patch_starts.append(patch_starts[-1] + g[0] * g[1] * g[2])
-        pixel_ranges = [(patch_starts[a], patch_starts[b]) for a, b in image_ranges]
-        keys = [tuple(grid_rows[a:b]) for a, b in image_ranges]
-        if pixel_attention_mask is not None:
-            raise SharedPrefixUnsupported("pixel_attention_mask with image_grid_thw is not handled")
-        return _Images(pixel_ranges, image_ranges, keys)
-    if pixel_values.ndim == 5:  # Idefics3: (rows, max images, C, H, W), all-zero padding images
-        if pixel_values.size(0) != batch:
-            raise SharedPrefixUnsupported("5-D pixel_values are not one entry per row")
-        return _Images([(r, r + 1) for r in range(batch)], None, [(n,) for n in num_images])
-    if pixel_values.ndim == 4 and pixel_values.size(0) == sum(num_images):  # Gemma3: one entry per image
-        if pixel_attention_mask is not None:
-            raise SharedPrefixUnsupported("pixel_attention_mask with per-image pixel_values is not handled")
-        return _Images(image_ranges, None, [(n,) for n in num_images])
-    raise SharedPrefixUnsupported(f"pixel_values of shape {tuple(pixel_values.shape)} is not a known layout")
-
-
-def _same_images(model_inputs: dict[str, Any], images: _Images, pairs: list[tuple[int, int]]) -> list[bool]:
-    """For each (row, reference row) pair: whether their images' pixels are identical (one host sync)."""
-    pixel_values, pixel_attention_mask = model_inputs["pixel_values"], model_inputs.get("pixel_attention_mask")
-    checks = []
-    for row, ref in pairs:
-        (a, b), (c, d) = images.pixel_ranges[row], images.pixel_ranges[ref]
-        if pixel_values[a:b].shape != pixel_values[c:d].shape:
-            checks.append(torch.zeros((), dtype=torch.bool, device=pixel_values.device))
-            continue
-        check = (pixel_values[a:b] == pixel_values[c:d]).all()
-        if pixel_attention_mask is not None:
-            check = check & (pixel_attention_mask[a:b] == pixel_attention_mask[c:d]).all()
-        checks.append(check)
-    return torch.stack(checks).tolist() if checks else []
-
-
 def _find_groups(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, model_inputs: dict[str, Any],
-    images: _Images | None, image_token_ids: set[int],
+    images: ImageLayout | None, image_token_ids: set[int],
 ) -> list[_Group]:  # fmt: skip
     """Group the rows whose unpadded prompt tokens and images are identical (anywhere in the batch)."""
     batch, length = input_ids.shape
@@ -183,39 +128,21 @@ def _find_groups(
             if any(any(row[prompt_len:]) for row in type_ids):
                 raise SharedPrefixUnsupported(f"{name} marks image tokens in completions (e.g. tool images)")
 
-    candidates: dict[tuple, _Group] = {}
+    keys, prompt_cols = [], []
     for r in range(batch):
-        prompt_cols = [c for c in range(prompt_len) if mask[r][c]]
-        if not prompt_cols:
+        cols = [c for c in range(prompt_len) if mask[r][c]]
+        if not cols:
             raise SharedPrefixUnsupported("a row has an empty prompt")
-        prompt = tuple(ids[r][c] for c in prompt_cols)
-        if prompt[-1] in image_token_ids or (type_ids is not None and type_ids[r][prompt_cols[-1]]):
+        prompt = tuple(ids[r][c] for c in cols)
+        if prompt[-1] in image_token_ids or (type_ids is not None and type_ids[r][cols[-1]]):
             raise SharedPrefixUnsupported("a prompt ends with an image token")
-        key = (prompt, tuple(type_ids[r][c] for c in prompt_cols) if type_ids else None,
-               images.keys[r] if images else None)  # fmt: skip
-        group = candidates.setdefault(key, _Group(rows=[], prompt_cols=prompt_cols))
-        group.rows.append(r)
-        group.completion_cols[r] = [prompt_len + c for c in range(logits_to_keep) if mask[r][prompt_len + c]]
-
-    groups = list(candidates.values())
-    if images is None:
-        return groups
-    # Same prompt tokens (hence image token counts and grids) is not the same images: compare the pixels, splitting
-    # off rows that differ from their group's first row until every group is verified.
-    verified: list[_Group] = []
-    while groups:
-        pairs = [(r, g.rows[0]) for g in groups for r in g.rows[1:]]
-        same = dict(zip(pairs, _same_images(model_inputs, images, pairs)))
-        remaining = []
-        for g in groups:
-            keep = [r for r in g.rows if same.get((r, g.rows[0]), True)]
-            rest = [r for r in g.rows if r not in keep]
-            verified.append(_Group(keep, g.prompt_cols, {r: g.completion_cols[r] for r in keep}))
-            if rest:
-                prompt_cols = [c for c in range(prompt_len) if mask[rest[0]][c]]
-                remaining.append(_Group(rest, prompt_cols, {r: g.completion_cols[r] for r in rest}))
-        groups = remaining
-    return sorted(verified, key=lambda g: g.rows[0])
+        keys.append((prompt, tuple(type_ids[r][c] for c in cols) if type_ids else None))
+        prompt_cols.append(cols)
+    groups = []
+    for rows in group_rows(keys, images, model_inputs):
+        completion_cols = {r: [prompt_len + c for c in range(logits_to_keep) if mask[r][prompt_len + c]] for r in rows}
+        groups.append(_Group(rows, prompt_cols[rows[0]], completion_cols))
+    return groups
 
 
 def _chunks(groups: list[_Group], batch_size: int | None) -> list[list[_Group]]:
@@ -346,7 +273,11 @@ def shared_prefix_logps(
     core = _core_model(unwrapped_model)
     config, text_config = core.config, core.config.get_text_config()
     batch, length = input_ids.shape
-    images = _image_layout(model_inputs, batch)
+    images_per_row = [int(n) for n in model_inputs.get("num_images", [0] * batch)]
+    try:
+        images = ImageLayout.of(model_inputs, images_per_row)
+    except LayoutUnknown as error:
+        raise SharedPrefixUnsupported(str(error)) from error
     groups = _find_groups(input_ids, attention_mask, logits_to_keep, model_inputs, images, _image_token_ids(config))
     layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
     attn = getattr(text_config, "_attn_implementation", None) or config._attn_implementation
@@ -357,7 +288,9 @@ def shared_prefix_logps(
     for chunk in _chunks(groups, batch_size):
         packed = {k: v.to(input_ids.device, non_blocking=True) for k, v in _pack(chunk, length, logits_to_keep).items()}
         refs = [g.rows[0] for g in chunk]
-        inputs = _vision_inputs(model_inputs, images, refs)
+        # One copy of each group's images (its first row's); a forward without images gets no (empty) vision tensors.
+        with_images = images is not None and any(model_inputs["num_images"][r] for r in refs)
+        inputs = images.vision_inputs(model_inputs, refs) if with_images else {}
         for name in ("token_type_ids", "mm_token_type_ids"):
             if model_inputs.get(name) is not None:
                 inputs[name] = model_inputs[name].reshape(-1)[packed["source"]]
@@ -396,18 +329,6 @@ def shared_prefix_logps(
         return result.view(batch, logits_to_keep)
 
     return unpack(logps), (unpack(entropies) if compute_entropy else None)
-
-
-def _vision_inputs(model_inputs: dict[str, Any], images: _Images | None, refs: list[int]) -> dict[str, Any]:
-    """One copy of each group's images (its first row's), in the vision tensors' own layout."""
-    if images is None or not any(model_inputs["num_images"][r] for r in refs):
-        return {}  # a forward without images gets no (empty) vision tensors, which the towers cannot take
-    inputs = {}
-    for name, ranges in (("pixel_values", images.pixel_ranges), ("pixel_attention_mask", images.pixel_ranges),
-                         ("image_grid_thw", images.grid_ranges)):  # fmt: skip
-        if model_inputs.get(name) is not None:
-            inputs[name] = torch.cat([model_inputs[name][slice(*ranges[r])] for r in refs])
-    return inputs
 
 
 def _position_ids(

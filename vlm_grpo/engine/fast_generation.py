@@ -14,7 +14,7 @@ min_new_tokens) and its position rules, and changes three things:
 3. Optionally, LoRA is merged into the base weights while generating (one matmul per projection instead
    of three) and the original weights are copied back afterwards, bit for bit.
 4. bitsandbytes 4-bit / 8-bit layers, which cannot be compiled, are replaced for the call by plain stand-ins
-   (`vlm_grpo.quantized_generation`), so QLoRA models take this path too.
+   (`vlm_grpo.engine.quantized_generation`), so QLoRA models take this path too.
 
 Everything else (EOS and pad handling, the mask after EOS) is what `generate` does, so the plain path and
 this one give the same tokens under greedy decoding and the same per-token distributions when sampling.
@@ -23,7 +23,6 @@ this one give the same tokens under greedy decoding and the same per-token distr
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .compat import cache_kwarg
+from ..compat import cache_kwarg
+from .batch_layout import ImageLayout, LayoutUnknown, as_tensors, group_rows, select_rows
 from .quantized_generation import (
     QuantizedGenerationUnsupported,
     QuantizedLayers,
@@ -41,7 +41,7 @@ from .quantized_generation import (
     is_quantized_linear,
 )
 
-__all__ = ["FastGenerator", "FastPathUnavailable", "group_prompts", "merged_lora", "select_rows"]
+__all__ = ["FastGenerator", "FastPathUnavailable", "group_prompts", "merged_lora"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,81 +50,25 @@ class FastPathUnavailable(RuntimeError):
     """Raised before any work is done when a batch cannot use the fast path; the caller uses the plain one."""
 
 
-def _image_key(image: Any) -> bytes:
-    """A digest of an image's pixels (PIL image or tensor); equal pixels give equal keys."""
-    if hasattr(image, "tobytes") and hasattr(image, "size") and hasattr(image, "mode"):
-        header = f"{image.mode}{image.size}".encode()
-        return hashlib.blake2b(header + image.tobytes(), digest_size=16).digest()
-    return hashlib.blake2b(repr(image).encode(), digest_size=16).digest()
-
-
-def group_prompts(prompt_ids: Sequence[Sequence[int]], images: Sequence[Any] | None) -> tuple[list[int], list[int]]:
-    """Find identical prompts (same token ids and same image pixels).
+def group_prompts(
+    prompt_ids: Sequence[Sequence[int]], images_per_row: Sequence[int], fields: dict[str, Any]
+) -> tuple[list[int], list[int]]:
+    """Find identical prompts: the same token ids and pixel-identical images (`batch_layout.group_rows`).
 
     Returns `(unique, inverse)`: the batch index of each distinct prompt's first row, and for every row the
     position of its prompt in `unique`, so `unique[inverse[i]]` is a row identical to row `i`.
 
-    >>> group_prompts([[1, 2], [1, 2], [3]], None)
+    >>> group_prompts([[1, 2], [1, 2], [3]], [0, 0, 0], {})
     ([0, 2], [0, 0, 1])
     """
-    keys: dict[tuple, int] = {}
-    unique: list[int] = []
-    inverse: list[int] = []
-    for row, ids in enumerate(prompt_ids):
-        row_images = (images[row] if images is not None else None) or []
-        key = (tuple(ids), tuple(_image_key(image) for image in row_images))
-        if key not in keys:
-            keys[key] = len(unique)
-            unique.append(row)
-        inverse.append(keys[key])
-    return unique, inverse
-
-
-# Processor outputs with one entry per image (Qwen's image_grid_thw, Gemma 3's pixel_values, LLaVA's image_sizes).
-_PER_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_sizes")
-
-
-def select_rows(fields: dict[str, Any], images_per_row: Sequence[int], rows: Sequence[int]) -> dict[str, Any]:
-    """The multimodal processor outputs (as TRL's `_tokenize_prompts` returns them) of a subset of rows.
-
-    Handles the three layouts transformers' VLM processors produce: Qwen's flattened patches
-    (`pixel_values` [patches, dim] + `image_grid_thw` [images, 3]), one tensor per image (Gemma 3's
-    `pixel_values` [images, C, H, W]) and one tensor per row (Idefics3's [rows, images, C, H, W] with
-    `pixel_attention_mask`), plus per-token lists (`mm_token_type_ids`, `token_type_ids`).
-    """
-    import numpy as np
-
-    # TRL keeps tensors as they are, left-pads per-token lists and turns anything else into a tensor; so do we.
-    fields = {
-        key: value
-        if isinstance(value, torch.Tensor) or (isinstance(value, list) and value and isinstance(value[0], list))
-        else torch.as_tensor(np.asarray(value))
-        for key, value in fields.items()
-    }
-    n_rows, n_images = len(images_per_row), sum(images_per_row)
-    image_start = [0]
-    for count in images_per_row:
-        image_start.append(image_start[-1] + count)
-    image_index = [i for row in rows for i in range(image_start[row], image_start[row + 1])]
-    grid = fields.get("image_grid_thw")
-    pixels = fields.get("pixel_values")
-    per_row_layout = isinstance(pixels, torch.Tensor) and pixels.dim() == 5  # Idefics3: [rows, images, C, H, W]
-    out: dict[str, Any] = {}
-    for key, value in fields.items():
-        if not isinstance(value, torch.Tensor):
-            out[key] = [value[row] for row in rows]  # per-row (per-token) lists
-        elif per_row_layout and value.shape[0] == n_rows:
-            out[key] = value[list(rows)]
-        elif grid is not None and key == "pixel_values":  # Qwen: flattened patches, image_grid_thw.prod() per image
-            chunks = torch.split(value, grid.prod(-1).tolist())
-            out[key] = torch.cat([chunks[i] for i in image_index]) if image_index else value[:0]
-        elif key in _PER_IMAGE_KEYS and value.shape[0] == n_images:
-            out[key] = value[image_index]
-        elif value.shape[0] == n_rows:
-            out[key] = value[list(rows)]
-        else:
-            raise ValueError(f"Cannot tell how {key!r} of shape {tuple(value.shape)} splits over {n_rows} rows.")
-    return out
+    fields = as_tensors(fields)
+    layout = ImageLayout.of(fields, images_per_row)
+    groups = group_rows([tuple(ids) for ids in prompt_ids], layout, fields)
+    inverse = [0] * len(prompt_ids)
+    for position, group in enumerate(groups):
+        for row in group:
+            inverse[row] = position
+    return [group[0] for group in groups], inverse
 
 
 @contextlib.contextmanager
@@ -136,7 +80,7 @@ def merged_lora(model: nn.Module) -> Iterator[bool]:
     changes. The base weights are copied before merging and copied back after, so they come back bit-identical
     (a bf16 merge followed by an unmerge would round).
     """
-    # Quantised (bitsandbytes) bases are left out: `vlm_grpo.quantized_generation` swaps them for plain layers with
+    # Quantised (bitsandbytes) bases are left out: `vlm_grpo.engine.quantized_generation` swaps them for plain layers with
     # their adapters applied while generating, so disabling their adapters here changes nothing.
     layers = [
         m
@@ -185,7 +129,7 @@ class FastGenerator:
             it saves for the tiny models used there).
         merge_lora: merge LoRA into the 16-bit base weights while generating (exactly restored afterwards).
         quantized: how bitsandbytes 4-bit / 8-bit layers generate ("auto", "copy" or "light"; see
-            `vlm_grpo.quantized_generation`): plain stand-ins, so the decode step compiles like a 16-bit model's.
+            `vlm_grpo.engine.quantized_generation`): plain stand-ins, so the decode step compiles like a 16-bit model's.
         cache_bucket: the static cache length is rounded up to a multiple of this, so prompts of different
             lengths reuse one compiled graph.
     """
@@ -248,15 +192,19 @@ class FastGenerator:
         """
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         device = next(base.parameters()).device
-        unique, inverse = group_prompts(prompt_ids, images)
         images_per_row = [len(row or []) for row in images] if images is not None else [0] * len(prompt_ids)
+        try:  # the groups, and the processor outputs of each group's first row
+            unique, inverse = group_prompts(prompt_ids, images_per_row, multimodal_fields)
+            unique_fields = select_rows(multimodal_fields, images_per_row, unique)
+        except LayoutUnknown as error:
+            raise FastPathUnavailable(str(error)) from error
         try:
             quantized = self.quantized_layers(model)
             swapped = quantized.swapped() if quantized is not None else contextlib.nullcontext()
             merged = merged_lora(model) if self.merge_lora else contextlib.nullcontext(False)
             with swapped, merged:  # stand-ins first: they read the adapters before `merged_lora` disables them
-                rows = self._generate(base, device, prompt_ids, unique, inverse, images_per_row, multimodal_fields,
-                                      generation_config, pad_token_id)  # fmt: skip
+                rows = self._generate(base, device, prompt_ids, unique, inverse, unique_fields, generation_config,
+                                      pad_token_id)  # fmt: skip
         except QuantizedGenerationUnsupported as error:  # raised before anything was swapped or generated
             raise FastPathUnavailable(str(error)) from error
         self.stats["calls"] += 1
@@ -264,7 +212,7 @@ class FastGenerator:
         self.stats["prefill_rows"] += len(unique)
         return rows
 
-    def _generate(self, model, device, prompt_ids, unique, inverse, images_per_row, fields, generation_config, pad_id):
+    def _generate(self, model, device, prompt_ids, unique, inverse, unique_fields, generation_config, pad_id):
         from transformers import DynamicCache, LogitsProcessorList
 
         config, model_kwargs = model._prepare_generation_config(generation_config)
@@ -291,7 +239,7 @@ class FastGenerator:
             attention_mask[i, width - len(ids) :] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         kwargs: dict[str, Any] = {"attention_mask": attention_mask}
-        for key, value in select_rows(fields, images_per_row, unique).items():
+        for key, value in unique_fields.items():
             if isinstance(value, torch.Tensor):
                 kwargs[key] = value.to(device)
             else:  # per-token lists (mm_token_type_ids / token_type_ids): left-padded like the ids

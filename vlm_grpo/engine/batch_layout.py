@@ -1,0 +1,173 @@
+"""The GRPO groups of a batch, and each row's slice of the processor's vision tensors: one answer for both fast paths.
+
+TRL repeats every prompt `num_generations` times; fast generation prefills each group once and shared-prefix scoring
+packs each group into one row. Both ask the same two questions of a batch, answered here once:
+
+1. **Where does a row's image data live?** Each family's processor lays its vision tensors out its own way:
+   - Qwen2/2.5/3-VL: flattened patches, `pixel_values [patches, dim]`, with `image_grid_thw [images, 3]`
+     (`grid.prod()` patches per image);
+   - Gemma 3: one entry per image, `pixel_values [images, C, H, W]` (LLaVA-style `image_sizes [images, 2]` alike);
+   - Idefics3 / SmolVLM: one entry per row, `pixel_values [rows, max images, C, H, W]` with `pixel_attention_mask`.
+   `ImageLayout` records each row's ranges along dim 0, whatever the layout.
+2. **Which rows are a group?** Rows with the same prompt tokens *and the same images*, where the same images means
+   identical pixels as the processor fed them (what the model sees), compared as tensors. Rows may come shuffled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["ImageLayout", "LayoutUnknown", "as_tensors", "group_rows", "select_rows"]
+
+# Processor outputs with one entry per image (Qwen's image_grid_thw, Gemma 3's pixel_values, LLaVA's image_sizes).
+_PER_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_sizes")
+
+
+class LayoutUnknown(ValueError):
+    """The processor outputs are laid out in a way this module cannot split over rows (callers take TRL's path)."""
+
+
+def _starts(counts: Sequence[int]) -> list[int]:
+    starts = [0]
+    for count in counts:
+        starts.append(starts[-1] + count)
+    return starts
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """Where each row's images live in a batch's vision tensors: contiguous ranges along dim 0.
+
+    `pixel_ranges` index `pixel_values` (and `pixel_attention_mask`): patch rows for Qwen, images for Gemma 3, rows
+    for Idefics3. `image_ranges` index per-image tensors (`image_grid_thw`, `image_sizes`). `keys` is what two rows
+    must share besides their pixels to hold the same images: the image count, and Qwen's grids.
+    """
+
+    pixel_ranges: list[tuple[int, int]]
+    image_ranges: list[tuple[int, int]]
+    keys: list[tuple]
+
+    @classmethod
+    def of(cls, fields: dict[str, Any], images_per_row: Sequence[int]) -> ImageLayout | None:
+        """The layout of `fields` (the processor's outputs for the batch), or None when there are no images."""
+        pixel_values = fields.get("pixel_values")
+        if pixel_values is None or not sum(images_per_row):
+            return None
+        rows = len(images_per_row)
+        image_starts = _starts(images_per_row)
+        image_ranges = [(image_starts[r], image_starts[r + 1]) for r in range(rows)]
+        counts = [(n,) for n in images_per_row]
+        grid = fields.get("image_grid_thw")
+        if grid is not None:  # Qwen: grid.prod() patch rows per image
+            if fields.get("pixel_attention_mask") is not None:
+                raise LayoutUnknown("pixel_attention_mask with image_grid_thw is not a known layout")
+            grids = [tuple(g) for g in torch.as_tensor(grid).tolist()]
+            patch_starts = _starts([t * h * w for t, h, w in grids])
+            pixel_ranges = [(patch_starts[a], patch_starts[b]) for a, b in image_ranges]
+            return cls(pixel_ranges, image_ranges, [tuple(grids[a:b]) for a, b in image_ranges])
+        if pixel_values.dim() == 5:  # Idefics3: one entry per row, padded with all-zero images
+            if pixel_values.size(0) != rows:
+                raise LayoutUnknown(f"5-D pixel_values of {pixel_values.size(0)} entries for {rows} rows")
+            return cls([(r, r + 1) for r in range(rows)], image_ranges, counts)
+        if pixel_values.size(0) == image_starts[-1]:  # Gemma 3 / LLaVA: one entry per image
+            return cls(image_ranges, image_ranges, counts)
+        raise LayoutUnknown(f"pixel_values of shape {tuple(pixel_values.shape)} is not a known layout")
+
+    def same_images(self, fields: dict[str, Any], pairs: Sequence[tuple[int, int]]) -> list[bool]:
+        """For each `(row, other)` pair: whether their images are pixel-identical (read back in one device sync)."""
+        pixel_values, pixel_mask = fields["pixel_values"], fields.get("pixel_attention_mask")
+        different = torch.zeros((), dtype=torch.bool, device=pixel_values.device)
+        checks = []
+        for row, other in pairs:
+            a, b = slice(*self.pixel_ranges[row]), slice(*self.pixel_ranges[other])
+            if self.keys[row] != self.keys[other] or pixel_values[a].shape != pixel_values[b].shape:
+                checks.append(different)
+                continue
+            check = (pixel_values[a] == pixel_values[b]).all()
+            if pixel_mask is not None:
+                check = check & (pixel_mask[a] == pixel_mask[b]).all()
+            checks.append(check)
+        return torch.stack(checks).tolist() if checks else []
+
+    def vision_inputs(self, fields: dict[str, Any], rows: Sequence[int]) -> dict[str, torch.Tensor]:
+        """The vision tensors of `rows` (in this order), in the batch's own layout."""
+        out = {}
+        for name, ranges in (("pixel_values", self.pixel_ranges), ("pixel_attention_mask", self.pixel_ranges),
+                             ("image_grid_thw", self.image_ranges), ("image_sizes", self.image_ranges)):  # fmt: skip
+            value = fields.get(name)
+            if value is not None:
+                value = torch.as_tensor(value)
+                out[name] = torch.cat([value[slice(*ranges[r])] for r in rows]) if rows else value[:0]
+        return out
+
+
+def group_rows(
+    keys: Sequence[Hashable], layout: ImageLayout | None = None, fields: dict[str, Any] | None = None
+) -> list[list[int]]:
+    """The groups of a batch: rows with equal `keys` (their prompt) and, with a layout, pixel-identical images.
+
+    Groups come in the order of their first row, each listing its rows in batch order.
+
+    >>> group_rows([(1, 2), (1, 2), (3,), (1, 2)])
+    [[0, 1, 3], [2]]
+    """
+    candidates: dict[Hashable, list[int]] = {}
+    for row, key in enumerate(keys):
+        candidates.setdefault((key, layout.keys[row] if layout else None), []).append(row)
+    groups = list(candidates.values())
+    if layout is None:
+        return groups
+    # The same prompt tokens (hence image counts and grids) need not be the same images: split off the rows whose
+    # pixels differ from their group's first row until every group is verified.
+    verified: list[list[int]] = []
+    while groups:
+        pairs = [(row, group[0]) for group in groups for row in group[1:]]
+        same = dict(zip(pairs, layout.same_images(fields, pairs)))
+        remaining = []
+        for group in groups:
+            verified.append([row for row in group if same.get((row, group[0]), True)])
+            rest = [row for row in group if not same.get((row, group[0]), True)]
+            if rest:
+                remaining.append(rest)
+        groups = remaining
+    return sorted(verified, key=lambda group: group[0])
+
+
+def as_tensors(fields: dict[str, Any]) -> dict[str, Any]:
+    """The processor outputs as TRL treats them: tensors as they are, per-token lists kept (TRL left-pads them),
+    anything else made a tensor."""
+    return {
+        key: value
+        if isinstance(value, torch.Tensor) or (isinstance(value, list) and value and isinstance(value[0], list))
+        else torch.as_tensor(np.asarray(value))
+        for key, value in fields.items()
+    }
+
+
+def select_rows(fields: dict[str, Any], images_per_row: Sequence[int], rows: Sequence[int]) -> dict[str, Any]:
+    """The processor outputs (as TRL's `_tokenize_prompts` returns them) of a subset of rows.
+
+    Vision tensors are sliced by their `ImageLayout`; other per-row tensors by row, per-token lists
+    (`mm_token_type_ids`, `token_type_ids`) row by row.
+    """
+    fields = as_tensors(fields)
+    layout = ImageLayout.of(fields, images_per_row)
+    n_rows, n_images = len(images_per_row), sum(images_per_row)
+    out = layout.vision_inputs(fields, rows) if layout is not None else {}
+    for key, value in fields.items():
+        if key in out:
+            continue
+        if not isinstance(value, torch.Tensor):
+            out[key] = [value[row] for row in rows]  # per-row (per-token) lists
+        elif key in _PER_IMAGE_KEYS and value.shape[0] == n_images:  # a batch without images: empty tensors
+            out[key] = value[:0]
+        elif value.shape[0] == n_rows:
+            out[key] = value[list(rows)]
+        else:
+            raise LayoutUnknown(f"Cannot tell how {key!r} of shape {tuple(value.shape)} splits over {n_rows} rows.")
+    return out
