@@ -19,7 +19,8 @@ overrides only these hooks:
 - `save_model`: also writes the model under FSDP with sharded checkpoints (transformers writes nothing there).
 - `_get_per_token_logps_and_entropies`: each group's prompt and images computed once (`vlm_grpo.engine.shared_prefix`),
   same log-probs and gradients; TRL's per-row forward for what it cannot serve (a one-time log line naming why).
-Everything else (losses, GSPO, vLLM, logging, checkpointing) is TRL's own.
+Everything else (losses, GSPO, vLLM, logging, checkpointing) is TRL's own. The private TRL names touched here are
+listed, with the signatures they were tested with, in `vlm_grpo.private_api`.
 """
 
 from __future__ import annotations
@@ -413,9 +414,10 @@ class VLMGRPOTrainer(GRPOTrainer):
 
     def _fast_generation_blocker(self, has_tool_images: bool) -> str | None:
         """Why this trainer generates on TRL's plain path (None: the fast path can serve it)."""
-        if self.use_vllm or getattr(self, "use_transformers_continuous_batching", False):
+        # TRL's attributes read plainly (vlm_grpo.private_api.TRAINER_ATTRIBUTES, checked against TRL by a test).
+        if self.use_vllm or self.use_transformers_continuous_batching:
             return "generation runs in vLLM / transformers continuous batching"
-        if getattr(self, "tools", None) or has_tool_images or getattr(self, "environment_factories", None) is not None:
+        if self.tools or has_tool_images or self.environment_factories is not None:
             return "tool-calling rollouts re-enter generation with tool results"
         if self.is_fsdp_enabled and (reason := sharded_unsupported_reason(self.model_wrapped)):
             return reason

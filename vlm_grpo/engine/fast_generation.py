@@ -32,6 +32,13 @@ import torch
 from torch import nn
 
 from ..compat import cache_kwarg
+from ..private_api import (
+    can_generate_fast,
+    eos_tokens,
+    generation_position_ids,
+    logits_processors,
+    prepare_generation,
+)
 from .batch_layout import ImageLayout, LayoutUnknown, as_tensors, group_rows, select_rows
 from .quantized_generation import (
     QuantizedGenerationUnsupported,
@@ -149,7 +156,7 @@ class FastGenerator:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         if getattr(base.config, "is_encoder_decoder", False):
             return "encoder-decoder models are not supported"
-        if not hasattr(base, "_prepare_position_ids_for_generation") or not hasattr(base, "_get_logits_processor"):
+        if not can_generate_fast(base):
             return "this transformers version lacks the generation helpers the fast path reuses"
         quantizer = getattr(base, "hf_quantizer", None)
         if (
@@ -213,11 +220,10 @@ class FastGenerator:
         return rows
 
     def _generate(self, model, device, prompt_ids, unique, inverse, unique_fields, generation_config, pad_id):
-        from transformers import DynamicCache, LogitsProcessorList
+        from transformers import DynamicCache
 
-        config, model_kwargs = model._prepare_generation_config(generation_config)
-        model._prepare_special_tokens(config, True, device=device)
-        eos = config._eos_token_tensor
+        config, model_kwargs = prepare_generation(model, generation_config, device)
+        eos = eos_tokens(config)
         max_new = config.max_new_tokens
         unsupported = {  # generate features this loop does not implement: those calls take the plain path
             "num_beams > 1": (config.num_beams or 1) > 1,
@@ -248,7 +254,7 @@ class FastGenerator:
                     padded[i, width - len(tokens) :] = torch.tensor(tokens)
                 kwargs[key] = padded.to(device)
         # The position ids `generate` would use (Qwen's 3-D rotary positions included), computed by the model.
-        positions = model._prepare_position_ids_for_generation(input_ids, dict(kwargs))
+        positions = generation_position_ids(model, input_ids, kwargs)
 
         cache_len = -(-(width + max_new) // self.cache_bucket) * self.cache_bucket
         text_config = _text_config(model)
@@ -274,11 +280,7 @@ class FastGenerator:
         tokens = torch.full((batch, width + max_new), pad_id, dtype=torch.long, device=device)
         tokens[:, :width] = input_ids.index_select(0, index)
         position = positions.index_select(-2, index)[..., -1:]  # last prompt position of every row
-        processors = model._get_logits_processor(
-            generation_config=config, input_ids_seq_length=width, encoder_input_ids=tokens[:, :width],
-            prefix_allowed_tokens_fn=None, logits_processor=LogitsProcessorList(), device=device,
-            model_kwargs=model_kwargs,
-        )  # fmt: skip
+        processors = logits_processors(model, config, tokens[:, :width], device, model_kwargs)
         forward = self._decode_fn(model)
         slot = torch.tensor([width - 1], device=device)  # the cache slot the next token is written to, minus one
 

@@ -15,7 +15,7 @@ same hidden state. Every token keeps the position it has in its unpacked row. Gr
 sum over the group, exactly as the repeated computation gives.
 
 The log-probs (and entropies) come from TRL's own fused LM head (`model(..., fused_lm_head=True)`, which the
-trainer adds): it takes pre-shifted `shift_labels`, so temperature, logit softcapping/scaling and the entropy are
+trainer adds; its keywords are listed in `vlm_grpo.private_api`): it takes pre-shifted `shift_labels`, so temperature, logit softcapping/scaling and the entropy are
 TRL's. Results are mapped back to TRL's `[B, logits_to_keep]` layout, zero where the completion mask is 0 (as
 TRL's are).
 
@@ -273,7 +273,8 @@ def shared_prefix_logps(
     core = _core_model(unwrapped_model)
     config, text_config = core.config, core.config.get_text_config()
     batch, length = input_ids.shape
-    images_per_row = [int(n) for n in model_inputs.get("num_images", [0] * batch)]
+    num_images = model_inputs.get("num_images")
+    images_per_row = [int(n) for n in num_images] if num_images is not None else [0] * batch
     try:
         images = ImageLayout.of(model_inputs, images_per_row)
     except LayoutUnknown as error:

@@ -1,0 +1,153 @@
+"""Every private TRL and transformers API vlm-grpo touches, in one place, with the versions it was tested on.
+
+The fast paths reuse transformers' generation helpers and TRL's trainer hooks rather than copying them, which ties
+the package to names outside their libraries' public API. Those names move between releases (TRL's
+`_generate_single_turn` gained two parameters between 1.10 and 1.16), and a moved one used to surface as a failed
+training run. So here, and only here:
+- `OVERRIDDEN`: the TRL methods `VLMGRPOTrainer` overrides, with the parameters TRL calls them with;
+- `CALLED`: the transformers methods the engine calls, with the parameters it passes;
+- `TRAINER_ATTRIBUTES`: the TRL trainer attributes the trainer reads (read plainly, never `getattr(..., default)`,
+  so a rename raises instead of silently reading the default);
+- `FUSED_LM_HEAD_KEYWORDS`: what TRL's fused LM head adds to a model's forward, which shared-prefix scoring passes;
+- the wrappers the engine calls (`prepare_generation`, `logits_processors`, `generation_position_ids`).
+`tests/test_private_api.py` checks each signature and attribute against the installed libraries: a release that
+changes one fails a unit test that names it. `TESTED` records the releases these were read from.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CALLED",
+    "FUSED_LM_HEAD_KEYWORDS",
+    "OVERRIDDEN",
+    "TESTED",
+    "TRAINER_ATTRIBUTES",
+    "PrivateMethod",
+    "can_generate_fast",
+    "eos_tokens",
+    "generation_position_ids",
+    "logits_processors",
+    "prepare_generation",
+    "signature_drift",
+]
+
+# The releases the lists below were read from: the floors in setup.cfg and the newest at the time.
+TESTED = {"trl": ("1.15.0", "1.16.0"), "transformers": ("5.17.0", "5.24.0")}
+
+
+@dataclass(frozen=True)
+class PrivateMethod:
+    """A private method of another library: the class that owns it, its name, and its parameters after `self`."""
+
+    owner: str  # "module:Class"
+    name: str
+    parameters: tuple[str, ...]
+    used_by: str
+
+    def installed_parameters(self) -> tuple[str, ...]:
+        """The parameters (after `self`) of the installed library's method."""
+        module, _, cls = self.owner.partition(":")
+        method = getattr(getattr(importlib.import_module(module), cls), self.name)
+        return tuple(inspect.signature(method).parameters)[1:]
+
+
+_GRPO = "trl:GRPOTrainer"
+_MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+                      "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")  # fmt: skip
+# fmt: off
+OVERRIDDEN: tuple[PrivateMethod, ...] = (
+    PrivateMethod(_GRPO, "_generate_and_score_completions", ("inputs",), "trainer: images normalised and budgeted"),
+    PrivateMethod(_GRPO, "_generate", ("prompts",), "trainer: [] images for text rows (unpacks an 8-tuple by name)"),
+    PrivateMethod(_GRPO, "_calculate_rewards", ("inputs", "prompts", "completions", "completion_ids_list"),
+                  "trainer: string prompts reach rewards as strings"),
+    PrivateMethod(_GRPO, "_generate_single_turn",
+                  ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"),
+                  "trainer: engine.fast_generation"),
+    PrivateMethod(_GRPO, "_get_per_token_logps_and_entropies",
+                  ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
+                   "compute_aux_loss", *_MULTIMODAL_INPUTS), "trainer: engine.shared_prefix"),
+    PrivateMethod(_GRPO, "_tokenize_prompts", ("prompts",), "tests: TRL's own tokenisation of a batch"),
+)
+_GENERATION = "transformers:GenerationMixin"
+CALLED: tuple[PrivateMethod, ...] = (
+    PrivateMethod(_GENERATION, "_prepare_generation_config", ("generation_config", "kwargs"), "prepare_generation"),
+    PrivateMethod(_GENERATION, "_prepare_special_tokens",
+                  ("generation_config", "kwargs_has_attention_mask", "device", "batch_size"), "prepare_generation"),
+    PrivateMethod(_GENERATION, "_get_logits_processor",
+                  ("generation_config", "input_ids_seq_length", "encoder_input_ids", "prefix_allowed_tokens_fn",
+                   "logits_processor", "device", "model_kwargs", "negative_prompt_ids",
+                   "negative_prompt_attention_mask"), "logits_processors"),
+    PrivateMethod(_GENERATION, "_prepare_position_ids_for_generation", ("inputs_tensor", "model_kwargs"),
+                  "generation_position_ids"),
+)
+# fmt: on
+TRAINER_ATTRIBUTES = (
+    "_tokenizer",
+    "_logs",
+    "use_vllm",
+    "use_transformers_continuous_batching",
+    "tools",
+    "environment_factories",
+    "generation_config",
+    "generation_kwargs",
+)  # fmt: skip
+FUSED_LM_HEAD_KEYWORDS = ("fused_lm_head", "shift_labels")
+
+
+def signature_drift(methods: tuple[PrivateMethod, ...] = (*OVERRIDDEN, *CALLED)) -> list[str]:
+    """Each of `methods` whose installed parameters differ from the tested ones, as one line naming it."""
+    drift = []
+    for method in methods:
+        try:
+            found = method.installed_parameters()
+        except AttributeError:
+            drift.append(f"{method.owner}.{method.name}: gone (used by {method.used_by})")
+            continue
+        if found != method.parameters:
+            drift.append(f"{method.owner}.{method.name}: tested with {method.parameters}, installed has {found} "
+                         f"(used by {method.used_by})")  # fmt: skip
+    return drift
+
+
+def prepare_generation(model: Any, generation_config: Any, device: torch.device) -> tuple[Any, dict[str, Any]]:
+    """`(config, model_kwargs)` as `generate` prepares them: the model's defaults merged into `generation_config`,
+    special tokens (`config._eos_token_tensor`) on `device`."""
+    config, model_kwargs = model._prepare_generation_config(generation_config)
+    model._prepare_special_tokens(config, True, device=device)
+    return config, model_kwargs
+
+
+def eos_tokens(config: Any) -> torch.Tensor:
+    """The EOS token ids `prepare_generation` put on the device."""
+    return config._eos_token_tensor
+
+
+def logits_processors(
+    model: Any, config: Any, prompt_tokens: torch.Tensor, device: torch.device, model_kwargs: dict[str, Any]
+) -> Any:
+    """The logits processors `generate` would apply (temperature, top-k/p, min-p, repetition penalty, suppressed
+    tokens, min_new_tokens) for prompts `prompt_tokens` [batch, width]."""
+    from transformers import LogitsProcessorList
+
+    return model._get_logits_processor(
+        generation_config=config, input_ids_seq_length=prompt_tokens.shape[1], encoder_input_ids=prompt_tokens,
+        prefix_allowed_tokens_fn=None, logits_processor=LogitsProcessorList(), device=device,
+        model_kwargs=model_kwargs,
+    )  # fmt: skip
+
+
+def generation_position_ids(model: Any, input_ids: torch.Tensor, model_kwargs: dict[str, Any]) -> torch.Tensor:
+    """The position ids `generate` would use for a prefill (Qwen's 3-D rotary positions included)."""
+    return model._prepare_position_ids_for_generation(input_ids, dict(model_kwargs))
+
+
+def can_generate_fast(model: Any) -> bool:
+    """Whether `model` has the generation helpers the fast path reuses."""
+    return all(hasattr(model, method.name) for method in CALLED)
