@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from ..compat import cache_kwarg
 from ..private_api import (
@@ -265,15 +266,17 @@ class FastGenerator:
                 f"prompt + completion ({width} + {max_new} tokens) exceeds the sliding window ({window})"
             )
 
-        # Prefill the unique prompts, then copy their KV cache to every row of their group.
-        prefill_cache = DynamicCache(config=model.config)
-        kwargs[cache_kwarg(model)] = prefill_cache
-        out = model(input_ids=input_ids, position_ids=positions, use_cache=True, logits_to_keep=1, **kwargs)
-        index = torch.tensor(inverse, device=device)
-        cache = self._static_cache(model, batch, cache_len)
-        for layer_index, layer in enumerate(prefill_cache.layers):
-            cache.update(layer.keys.index_select(0, index), layer.values.index_select(0, index), layer_index)
-        del prefill_cache
+        # Prefill the unique prompts, then copy their KV cache to every row of their group. (The profiler labels
+        # name the phases in `benchmarks/decode_profile.py`; without a profiler running they cost microseconds.)
+        with record_function("fast_generation.prefill"):
+            prefill_cache = DynamicCache(config=model.config)
+            kwargs[cache_kwarg(model)] = prefill_cache
+            out = model(input_ids=input_ids, position_ids=positions, use_cache=True, logits_to_keep=1, **kwargs)
+            index = torch.tensor(inverse, device=device)
+            cache = self._static_cache(model, batch, cache_len)
+            for layer_index, layer in enumerate(prefill_cache.layers):
+                cache.update(layer.keys.index_select(0, index), layer.values.index_select(0, index), layer_index)
+            del prefill_cache
 
         full_mask = torch.zeros((batch, cache_len), dtype=torch.long, device=device)
         full_mask[:, :width] = attention_mask.index_select(0, index)
@@ -288,21 +291,23 @@ class FastGenerator:
         unfinished = torch.ones(batch, dtype=torch.bool, device=device)
         steps = 0
         for step in range(max_new):
-            scores = processors(tokens[:, : width + step], logits)
-            if config.do_sample:
-                next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-            else:
-                next_tokens = scores.argmax(dim=-1)
-            next_tokens = torch.where(unfinished, next_tokens, pad_id)
-            tokens[:, width + step] = next_tokens
-            unfinished &= ~torch.isin(next_tokens, eos)
+            with record_function("fast_generation.sample"):
+                scores = processors(tokens[:, : width + step], logits)
+                if config.do_sample:
+                    next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+                else:
+                    next_tokens = scores.argmax(dim=-1)
+                next_tokens = torch.where(unfinished, next_tokens, pad_id)
+                tokens[:, width + step] = next_tokens
+                unfinished &= ~torch.isin(next_tokens, eos)
             steps = step + 1
             if step + 1 == max_new or (step % 8 == 7 and not bool(unfinished.any())):
                 break
             full_mask[:, width + step] = 1
             position = position + 1
             slot = slot + 1  # stays on the device: no host-to-device copy per step
-            logits = forward(next_tokens[:, None], position, slot, full_mask, cache)
+            with record_function("fast_generation.forward"):
+                logits = forward(next_tokens[:, None], position, slot, full_mask, cache)
         self.stats["decode_steps"] += steps
 
         completions = tokens[:, width : width + steps]
