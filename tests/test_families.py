@@ -66,8 +66,8 @@ def _real(tiny_dir, model_type):
 
 
 def _named(model, attribute):
-    """The first module of `model` whose name ends in `attribute`, with its full name."""
-    return next(((n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == attribute), (None, None))
+    """The first module of `model` whose name ends in `attribute` (None without one)."""
+    return next((m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == attribute), None)
 
 
 def test_registry_covers_the_families_the_package_handles():
@@ -120,8 +120,7 @@ def test_record_matches_the_real_model_and_processor(tiny_dir, model_type):
         assert torch.equal(inputs[family.token_type_key] == 1, is_image)
 
     # The vision tower receives the pixels; the projector outputs image features of the language model's width.
-    _, tower = _named(model, family.vision_tower)
-    _, projector = _named(model, family.projector)
+    tower, projector = _named(model, family.vision_tower), _named(model, family.projector)
     assert tower is not None and projector is not None
     assert find_vision_tower(model) is tower
     seen = {}
