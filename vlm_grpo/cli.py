@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .compat import CHECKPOINTING_ARG, checkpointing_from_args
+from .families import model_types
 
 __all__ = ["ScriptArguments", "UsageError", "main", "parse_args", "run"]
 
@@ -73,7 +74,7 @@ class ScriptArguments:
     model: str = field(
         default="tiny:qwen2_5_vl",
         metadata={"help": "A VLM id or path, or `tiny:<family>` for an offline tiny model built in code "
-                  "(families: qwen2_vl, qwen2_5_vl, qwen3_vl, gemma3, idefics3)."},
+                  f"(families: {', '.join(model_types(lambda f: f.tiny))})."},
     )  # fmt: skip
     task: str = field(
         default="color",

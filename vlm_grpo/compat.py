@@ -25,6 +25,8 @@ from typing import Any
 
 from torch import nn
 
+from .families import core_model
+
 __all__ = [
     "CHECKPOINTING_ARG",
     "CHECKPOINTING_KWARGS_ARG",
@@ -68,11 +70,6 @@ def checkpointing_from_args(args: Any) -> tuple[bool, dict[str, Any]]:
     return bool(getattr(args, CHECKPOINTING_ARG)), dict(getattr(args, CHECKPOINTING_KWARGS_ARG) or {})
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The transformers model inside PEFT's wrappers (whose forward takes `**kwargs` and hides the signature)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 @functools.cache
 def _forward_cache_kwarg(model_class: type) -> str:
     # `inspect.signature` follows the deprecation decorator's `functools.wraps` to the real forward.
@@ -85,7 +82,8 @@ def cache_kwarg(model: nn.Module) -> str:
 
     Asked per model class: a remote-code model may keep the old name after transformers' own ones moved.
     """
-    return _forward_cache_kwarg(type(_unwrap(model)))
+    # Asked of the transformers model: PEFT's wrapper forward takes `**kwargs`, which hides the signature.
+    return _forward_cache_kwarg(type(core_model(model)))
 
 
 def is_checkpointing(model: nn.Module) -> bool:

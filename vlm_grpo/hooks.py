@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .families import vision_tower_names
+
 __all__ = [
     "VISION_TOWER_NAMES",
     "disable_requires_grad_hooks",
@@ -31,8 +33,9 @@ __all__ = [
 ]
 
 _HANDLES_ATTR = "_vlm_grpo_requires_grad_handles"
-# Attribute names under which transformers' VLMs keep their vision encoder.
-VISION_TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder")
+# Attribute names under which transformers' VLMs keep their vision encoder: the registered families' (from
+# `vlm_grpo.families`), then other VLMs', so the hooks also reach the vision tower of a VLM without a record.
+VISION_TOWER_NAMES = vision_tower_names()
 _PIXEL_KWARGS = ("pixel_values", "hidden_states", "pixel_values_videos")
 
 

@@ -8,11 +8,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .families import projector_names, vision_tower_names
+
 __all__ = ["LoraSelection", "select_lora_modules"]
 
-# Where a module's name says it belongs (Unsloth's tags, plus the projector names of current families).
-_VISION_TAGS = ("visual", "vision", "image_encoder", "patch_embed")
-_PROJECTOR_TAGS = ("merger", "multi_modal_projector", "connector", "projector")
+# Where a module's name says it belongs, matched as substrings of its name's parts: the vision towers and projectors
+# of the family records (`vlm_grpo.families`) plus Unsloth's tags, which also catch other VLMs' (`vision_*`,
+# `*_projector`).
+_VISION_TAGS = (*vision_tower_names(), "vision", "patch_embed")
+_PROJECTOR_TAGS = (*projector_names(), "projector")
 _ATTENTION_TAGS = ("attn", "attention")
 _MLP_TAGS = ("mlp", "feed_forward", "ffn")
 # Modules never given LoRA by the flags: the output head (tied or huge) and the embeddings.

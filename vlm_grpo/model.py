@@ -20,6 +20,7 @@ from torch import nn
 
 from . import modes
 from .compat import quiet_third_party_checkpointing_deprecations
+from .families import projector_names
 from .hooks import VISION_TOWER_NAMES
 from .images import check_pixel_budget
 from .lora_selection import LoraSelection, select_lora_modules
@@ -294,8 +295,9 @@ class FastBaseVisionModel:
 FastVisionModel = FastBaseVisionModel
 
 
-# The vision encoders (the names the hooks look for) and the projectors that feed them to the language model.
-_KEEP_16BIT = (*VISION_TOWER_NAMES, "multi_modal_projector", "connector", "merger")
+# The vision encoders (the names the hooks look for) and the projectors that feed them to the language model (the
+# family records', `vlm_grpo.families`).
+_KEEP_16BIT = (*VISION_TOWER_NAMES, *projector_names())
 
 
 def _unquantised_modules(config: Any) -> list[str]:

@@ -29,6 +29,7 @@ from typing import Any
 
 from PIL import Image
 
+from .families import FAMILIES
 from .images import check_pixel_budget, fit_pixel_budget
 
 __all__ = [
@@ -43,8 +44,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# The Qwen2-VL image processors (PIL and torchvision), which Qwen2.5-VL and Qwen3-VL checkpoints use too.
-_BUDGET_MODULE = "transformers.models.qwen2_vl."
+# The packages of the image processors (PIL and torchvision) that resize by a pixel budget, from the family records
+# (`vlm_grpo.families`): Qwen2-VL's, which Qwen2.5-VL and Qwen3-VL checkpoints use too. An image processor carries
+# no model type, so it is recognised by where its class (or a base class) is defined.
+_BUDGET_MODULES = tuple(
+    sorted({f"transformers.models.{f.image_package}." for f in FAMILIES.values() if f.pixel_budget})
+)
 # Where those processors keep the budget: size["shortest_edge"] is min_pixels, size["longest_edge"] max_pixels.
 _KEYS = {"min_pixels": "shortest_edge", "max_pixels": "longest_edge"}
 
@@ -54,7 +59,7 @@ def _image_processor(processor: Any) -> Any:
 
 
 def _budget_class(image_processor: Any) -> type | None:
-    return next((c for c in type(image_processor).__mro__ if c.__module__.startswith(_BUDGET_MODULE)), None)
+    return next((c for c in type(image_processor).__mro__ if c.__module__.startswith(_BUDGET_MODULES)), None)
 
 
 def resizes_by_pixel_budget(processor: Any) -> bool:

@@ -14,19 +14,17 @@ import json
 import os
 from typing import Any
 
+from .families import FAMILIES, find_family
+
 __all__ = ["QWEN_PROCESSORS", "build_qwen_processor", "load_processor"]
 
-# model_type -> processor class name in transformers.
-QWEN_PROCESSORS = {
-    "qwen2_vl": "Qwen2VLProcessor",
-    "qwen2_5_vl": "Qwen2_5_VLProcessor",
-    "qwen3_vl": "Qwen3VLProcessor",
-    "qwen3_vl_moe": "Qwen3VLProcessor",
-}
+# model_type -> processor class name in transformers, for the Qwen-VL processors (pixel budget, video part), read from
+# the family records (`vlm_grpo.families`).
+QWEN_PROCESSORS = {t: f.processor_class for t, f in FAMILIES.items() if f.pixel_budget and f.supports_video}
 
 
 @functools.cache
-def _image_only_class(class_name: str) -> type:
+def _image_only_class(class_name: str, video_class_name: str) -> type:
     """A subclass of a Qwen processor whose only sub-processors are the image processor and tokenizer.
 
     `ProcessorMixin` derives a processor's parts from its `__init__` signature, so dropping
@@ -42,7 +40,7 @@ def _image_only_class(class_name: str) -> type:
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         out = base.save_pretrained(self, save_directory, *args, **kwargs)
-        _add_video_processor_config(save_directory, self.image_processor, class_name)
+        _add_video_processor_config(save_directory, self.image_processor, video_class_name)
         return out
 
     # Saved as the real class name so plain transformers (with torchvision) loads the checkpoint as usual.
@@ -51,7 +49,6 @@ def _image_only_class(class_name: str) -> type:
     )
 
 
-_VIDEO_PROCESSORS = {"Qwen3VLProcessor": "Qwen3VLVideoProcessor"}
 _VIDEO_KEYS = (
     "size",
     "patch_size",
@@ -68,7 +65,7 @@ _VIDEO_KEYS = (
 )
 
 
-def _add_video_processor_config(save_directory: str | os.PathLike, image_processor: Any, class_name: str) -> None:
+def _add_video_processor_config(save_directory: str | os.PathLike, image_processor: Any, video_class_name: str) -> None:
     """Write the video processor settings (the image processor's) next to a saved image-only processor.
 
     With torchvision installed, `AutoProcessor` builds the full Qwen processor and needs them; the Hub's
@@ -83,7 +80,7 @@ def _add_video_processor_config(save_directory: str | os.PathLike, image_process
         return
     image = config.get("image_processor") or image_processor.to_dict()
     video = {k: image[k] for k in _VIDEO_KEYS if k in image}
-    video["video_processor_type"] = _VIDEO_PROCESSORS.get(class_name, "Qwen2VLVideoProcessor")
+    video["video_processor_type"] = video_class_name
     config["video_processor"] = video
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -97,7 +94,8 @@ def build_qwen_processor(
     """Build a Qwen-VL processor from an image processor and a tokenizer, without a video processor."""
     if model_type not in QWEN_PROCESSORS:
         raise ValueError(f"{model_type!r} is not a Qwen-VL model type ({', '.join(QWEN_PROCESSORS)}).")
-    cls = _image_only_class(QWEN_PROCESSORS[model_type])
+    family = FAMILIES[model_type]
+    cls = _image_only_class(family.processor_class, family.video_processor)
     return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
 
 
@@ -111,10 +109,9 @@ def _has_torchvision() -> bool:
 
 def _load_qwen_image_only(path: str, model_type: str, **kwargs: Any):
     from transformers import AutoTokenizer
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    image_processor = Qwen2VLImageProcessorPil.from_pretrained(path, **kwargs)
+    image_processor = FAMILIES[model_type].pil_image_processor_class().from_pretrained(path, **kwargs)
     chat_template = _chat_template(path, tokenizer, **kwargs)
     return build_qwen_processor(model_type, image_processor, tokenizer, chat_template)
 
@@ -158,8 +155,11 @@ def _load_with_pil_image_processor(path: str, model_type: str, **kwargs: Any):
     config = _processor_config(path, **kwargs)
     image_type = (config.get("image_processor") or {}).get("image_processor_type", "")
     pil_name = image_type.removesuffix("Fast").removesuffix("Pil") + "Pil"
+    # The family's image-processor package where it has a record (Qwen2.5/3-VL use Qwen2-VL's), else its own.
+    family = find_family(model_type)
+    package = family.image_package if family is not None else model_type
     try:  # from its module: the top-level name is a torchvision-guarded placeholder in some releases
-        module = importlib.import_module(f"transformers.models.{model_type}.image_processing_pil_{model_type}")
+        module = importlib.import_module(f"transformers.models.{package}.image_processing_pil_{package}")
         pil_class = getattr(module, pil_name, None)
     except ImportError:
         pil_class = None

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .families import family_of, model_types
+
 __all__ = ["TINY_FAMILIES", "build_tiny_vlm"]
 
 # Words the tiny tokenizer always knows: what the chat templates, task prompts and rewards use.
@@ -84,6 +86,7 @@ _QWEN_TOKENS = [
     "<|image_pad|>", "<|video_pad|>",
 ]  # fmt: skip
 
+# The tiny models' tokenizers, per family with a record marked `tiny` in `vlm_grpo.families`.
 # fmt: off
 _FAMILIES: dict[str, _Family] = {
     "qwen2_vl": _Family(_QWEN_TOKENS, None, ["<|im_end|>", "<|endoftext|>"], "<|endoftext|>", _QWEN_TEMPLATE),
@@ -103,7 +106,7 @@ _FAMILIES: dict[str, _Family] = {
 }
 # fmt: on
 
-TINY_FAMILIES: tuple[str, ...] = tuple(_FAMILIES)
+TINY_FAMILIES: tuple[str, ...] = model_types(lambda f: f.tiny)
 
 # Tiny-model image geometry. Qwen2/2.5-VL: patch 14, merge 2 -> a 56x56 image is 2x2 merged patches = 4 image
 # tokens. Qwen3-VL: patch 16 -> 64x64 for the same 4 tokens. Gemma3 / Idefics3 resize every image to a fixed square.
@@ -300,7 +303,7 @@ def build_tiny_vlm(
         The checkpoint directory: config, seeded weights (safetensors), generation config and processor
         (image processor, tokenizer, chat template), loadable with `FastBaseVisionModel.from_pretrained`.
     """
-    if family not in _FAMILIES:
+    if family not in TINY_FAMILIES:
         raise ValueError(f"Unknown tiny VLM family {family!r}; choose one of {', '.join(TINY_FAMILIES)}.")
     image_size = image_size or _DEFAULT_IMAGE_SIZE[family]
     if image_size <= 0 or image_size % 4:
@@ -314,7 +317,7 @@ def build_tiny_vlm(
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
     vocab_size = _round_up(len(tok))
-    if family.startswith("qwen"):
+    if family_of(family).pixel_budget:  # Qwen-VL
         config = _qwen_config(family, tok, vocab_size)
         processor = _qwen_processor(family, tok, image_size)
     elif family == "gemma3":

@@ -20,6 +20,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from ..families import FAMILIES
 from .adaptor import BatchReward, RewardFunc
 from .parsing import final_segment, last_answer_tag
 
@@ -27,7 +28,8 @@ __all__ = ["FRAMES", "box_iou", "coordinate_frame_for", "iou", "iou_threshold", 
 
 FRAMES = ("pixels", "normalized", "qwen2_vl", "qwen2_5_vl")
 Frame = Literal["pixels", "normalized", "qwen2_vl", "qwen2_5_vl"]
-_MODEL_FRAMES = {"qwen2_5_vl": "qwen2_5_vl", "qwen2_vl": "qwen2_vl", "qwen3_vl": "qwen2_vl", "qwen3_vl_moe": "qwen2_vl"}
+# model_type -> the frame that family writes boxes in, from the family records (`vlm_grpo.families`).
+_MODEL_FRAMES = {t: f.box_frame for t, f in FAMILIES.items() if f.box_frame is not None}
 
 _NUM = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)"
 # Maximal comma-separated runs of numbers; only runs of exactly four are boxes ("[1, 2, 3, 4, 5]" is not).

@@ -1,0 +1,245 @@
+"""One record per vision-language model family: everything the package knows about each, in one place.
+
+Families differ in ways several modules care about: the processor class (and whether it bundles a video processor
+that needs torchvision), whether the processor resizes images by a pixel budget of its own, where the vision tower
+and projector live (LoRA selection, 4-bit loading, the requires-grad hooks), how text positions are encoded (Qwen's
+3-D rotary positions), what the text model's attention mask may look like, and the frame boxes are written in.
+Each module used to keep its own table of these, and the copies drifted apart; now they all read :data:`FAMILIES`,
+so supporting a family (or a new fact about one) is a change to one record here.
+
+Records are keyed by ``config.model_type``. Every fact is checked against the real models, processors and
+transformers' own mappings by ``tests/test_families.py``. Light to import (no torch or transformers at import
+time), so the `vlm-grpo` command's help and the reward modules can read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Literal
+
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "core_model",
+    "family_of",
+    "find_family",
+    "model_type_of",
+    "model_types",
+    "projector_names",
+    "vision_tower_names",
+]
+
+Rope = Literal["mrope", "1d"]
+BoxFrame = Literal["qwen2_vl", "qwen2_5_vl"]
+
+# Attribute names other (unregistered) transformers VLMs keep their vision encoder under, so the hooks and 4-bit
+# loading still find it in a VLM without a record here (e.g. LightOnOCR's `vision_encoder`).
+OTHER_VISION_TOWER_NAMES = ("vision_encoder", "image_encoder")
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the package knows about one VLM family (one ``config.model_type``).
+
+    Module names are attribute names (the last part of a name in ``model.named_modules()``), not full paths: the
+    paths moved between transformers releases (``model.visual`` vs ``visual``), the attribute names did not.
+    """
+
+    model_type: str
+    #: "mrope": 3-D rotary positions (temporal, height, width) from the model's ``get_rope_index`` (Qwen-VL);
+    #: "1d": ordinary positions.
+    rope: Rope
+    #: The processor's class name in transformers.
+    processor_class: str
+    #: The ``transformers.models.<name>`` package that defines the family's image processors (Qwen2.5-VL and
+    #: Qwen3-VL reuse Qwen2-VL's), and the name of the PIL one there, which works without torchvision.
+    image_package: str
+    pil_image_processor: str
+    #: Whether the processor resizes every image by a pixel budget of its own, kept in
+    #: ``image_processor.size["shortest_edge"]`` (min_pixels) / ``["longest_edge"]`` (max_pixels), as Qwen-VL's
+    #: ``smart_resize`` does; otherwise it resizes to a fixed input size and a budget can only be applied before it.
+    pixel_budget: bool
+    #: The video processor class the processor bundles (None: images only). Its base class imports torchvision.
+    video_processor: str | None
+    #: Attribute name of the vision encoder, and of the module that maps its features into the language model
+    #: (inside the vision tower for Qwen-VL).
+    vision_tower: str
+    projector: str
+    #: What the processor returns for images besides ``input_ids`` / ``attention_mask``.
+    image_inputs: tuple[str, ...]
+    #: The processor output that marks image tokens with 1 (text 0), or None when it returns none.
+    token_type_key: str | None
+    #: Config attributes holding the ids of the placeholder tokens that image (and video) features replace.
+    image_token_attrs: tuple[str, ...]
+    #: Whether the text model takes ``attention_mask`` as a ``{layer type: 4-D mask}`` dict (needed to give
+    #: sliding-window layers their own mask); the others build their masks from one tensor.
+    dict_mask: bool
+    #: Whether image tokens attend to every token of their own image, not only to earlier ones (Gemma 3).
+    bidirectional_image_attention: bool
+    #: The frame the family writes boxes in (see `vlm_grpo.rewards.grounding`); None: no native frame.
+    box_frame: BoxFrame | None
+    #: Whether shared-prefix scoring (`vlm_grpo.shared_prefix`) serves it: checked against the unpacked forward.
+    shared_prefix: bool
+    #: Whether `vlm_grpo.tiny.build_tiny_vlm` builds an offline tiny model of it (tests, the demo).
+    tiny: bool
+
+    @property
+    def supports_video(self) -> bool:
+        """Whether the processor takes videos (it bundles a video processor)."""
+        return self.video_processor is not None
+
+    def image_token_ids(self, config: Any) -> set[int]:
+        """Ids of the image (and video) placeholder tokens in `config` (the model's config)."""
+        values = (getattr(config, name, None) for name in self.image_token_attrs)
+        return {v for v in values if isinstance(v, int)}
+
+    def pil_image_processor_class(self) -> type:
+        """The family's PIL image processor class, imported from its module (the top-level transformers name is a
+        torchvision-guarded placeholder in some releases)."""
+        module = importlib.import_module(
+            f"transformers.models.{self.image_package}.image_processing_pil_{self.image_package}"
+        )
+        return getattr(module, self.pil_image_processor)
+
+
+_QWEN2_VL = Family(
+    model_type="qwen2_vl",
+    rope="mrope",
+    processor_class="Qwen2VLProcessor",
+    image_package="qwen2_vl",
+    pil_image_processor="Qwen2VLImageProcessorPil",
+    pixel_budget=True,
+    video_processor="Qwen2VLVideoProcessor",
+    vision_tower="visual",
+    projector="merger",
+    image_inputs=("pixel_values", "image_grid_thw"),
+    token_type_key="mm_token_type_ids",
+    image_token_attrs=("image_token_id", "video_token_id"),
+    dict_mask=True,
+    bidirectional_image_attention=False,
+    box_frame="qwen2_vl",  # a 0-1000 grid over the image
+    shared_prefix=True,
+    tiny=True,
+)
+# Qwen2.5-VL writes boxes in pixels of the image its processor resized.
+_QWEN2_5_VL = dataclasses.replace(
+    _QWEN2_VL, model_type="qwen2_5_vl", processor_class="Qwen2_5_VLProcessor", box_frame="qwen2_5_vl"
+)
+# Qwen3-VL: Qwen2-VL's 0-1000 box grid again; its text model builds its mask from one tensor (it has no sliding-window
+# layers to give another).
+_QWEN3_VL = dataclasses.replace(
+    _QWEN2_VL, model_type="qwen3_vl", processor_class="Qwen3VLProcessor", video_processor="Qwen3VLVideoProcessor",
+    dict_mask=False,
+)  # fmt: skip
+# The mixture-of-experts text model under the same vision side. Not served by shared-prefix scoring yet: it has no
+# tiny model to check it against.
+_QWEN3_VL_MOE = dataclasses.replace(_QWEN3_VL, model_type="qwen3_vl_moe", shared_prefix=False, tiny=False)
+
+_GEMMA3 = Family(
+    model_type="gemma3",
+    rope="1d",
+    processor_class="Gemma3Processor",
+    image_package="gemma3",
+    pil_image_processor="Gemma3ImageProcessorPil",
+    pixel_budget=False,  # every image becomes one fixed square
+    video_processor=None,
+    vision_tower="vision_tower",
+    projector="multi_modal_projector",
+    image_inputs=("pixel_values",),
+    token_type_key="token_type_ids",
+    image_token_attrs=("image_token_index",),
+    dict_mask=True,
+    bidirectional_image_attention=True,
+    box_frame=None,
+    shared_prefix=True,
+    tiny=True,
+)
+
+# Idefics3, which SmolVLM (v1) checkpoints are: a Llama text model.
+_IDEFICS3 = Family(
+    model_type="idefics3",
+    rope="1d",
+    processor_class="Idefics3Processor",
+    image_package="idefics3",
+    pil_image_processor="Idefics3ImageProcessorPil",
+    pixel_budget=False,  # the longest edge is resized to size["longest_edge"], then cut into tiles
+    video_processor=None,
+    vision_tower="vision_model",
+    projector="connector",
+    image_inputs=("pixel_values", "pixel_attention_mask"),
+    token_type_key=None,
+    image_token_attrs=("image_token_id",),
+    dict_mask=False,
+    bidirectional_image_attention=False,
+    box_frame=None,
+    shared_prefix=True,
+    tiny=True,
+)
+
+#: Every known family by ``config.model_type``, in a stable order (the tiny families' order is the tests').
+FAMILIES: MappingProxyType[str, Family] = MappingProxyType(
+    {f.model_type: f for f in (_QWEN2_VL, _QWEN2_5_VL, _QWEN3_VL, _QWEN3_VL_MOE, _GEMMA3, _IDEFICS3)}
+)
+
+
+def core_model(model: Any) -> Any:
+    """The transformers model under a PEFT wrapper (``PeftModel.get_base_model()``), else `model` itself."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
+
+
+def model_type_of(model_or_config_or_model_type: Any) -> str:
+    """``config.model_type`` of a model (PEFT-wrapped or not), of a config, or a model type given as a string."""
+    obj = model_or_config_or_model_type
+    if isinstance(obj, str):
+        return obj
+    config = getattr(core_model(obj), "config", None)
+    model_type = getattr(config if config is not None else obj, "model_type", None)
+    if not isinstance(model_type, str):
+        raise TypeError(f"Expected a model, a config or a model type string, got {type(obj).__name__}.")
+    return model_type
+
+
+def find_family(model_or_config_or_model_type: Any) -> Family | None:
+    """The family record of a model, config or model type; None for one the package has no record of (for callers
+    that work with any VLM and use the record only where there is one)."""
+    return FAMILIES.get(model_type_of(model_or_config_or_model_type))
+
+
+def family_of(model_or_config_or_model_type: Any) -> Family:
+    """The family record of a model, config or model type; ValueError naming the known families otherwise."""
+    model_type = model_type_of(model_or_config_or_model_type)
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise ValueError(
+            f"Unknown model family {model_type!r} (config.model_type); known families: {', '.join(FAMILIES)}."
+        )
+    return family
+
+
+def model_types(where: Callable[[Family], bool] | None = None) -> tuple[str, ...]:
+    """Model types of the families for which `where` holds (all when None), in registry order.
+
+    >>> model_types(lambda f: f.rope == "mrope")
+    ('qwen2_vl', 'qwen2_5_vl', 'qwen3_vl', 'qwen3_vl_moe')
+    """
+    return tuple(t for t, f in FAMILIES.items() if where is None or where(f))
+
+
+def _unique(names: Any) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(names))
+
+
+def vision_tower_names() -> tuple[str, ...]:
+    """Attribute names a vision encoder may have: the registered families', then other VLMs' (for unregistered
+    ones)."""
+    return _unique([*(f.vision_tower for f in FAMILIES.values()), *OTHER_VISION_TOWER_NAMES])
+
+
+def projector_names() -> tuple[str, ...]:
+    """Attribute names of the registered families' projectors (vision features into the language model)."""
+    return _unique(f.projector for f in FAMILIES.values())
