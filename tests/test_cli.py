@@ -229,11 +229,12 @@ def test_image_folder_with_metadata(tmp_path):
 
 
 def test_system_prompt_and_template_reach_the_synthetic_task_prompts(tmp_path):
-    from vlm_grpo.cli import _synthetic_data
+    from vlm_grpo.cli import build_task
 
     script, config = parse_args(["--train_size", "2", "--test_size", "2", "--output_dir", str(tmp_path / "run"),
                                  "--system_prompt", "Be brief.", "--prompt_template", "{prompt} Think first."])  # fmt: skip
-    train, test, _, _ = _synthetic_data(script, config)
+    task = build_task(script, config)
+    train, test = task.train, task.test
     for prompt in list(train["prompt"]) + list(test["prompt"]):
         assert prompt == [{"role": "system", "content": "Be brief."},
                           {"role": "user", "content": "What colour is the shape? Answer with one word. Think first."}]  # fmt: skip
