@@ -21,7 +21,7 @@ import math
 import os
 import sys
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .cli_args import (
     PROG,
@@ -37,10 +37,13 @@ from .cli_args import (
 from .compat import checkpointing_from_args
 from .demo import DEMO
 
+if TYPE_CHECKING:
+    from .task import Task
+
 __all__ = ["ScriptArguments", "UsageError", "build_task", "main", "parse_args", "run"]
 
 
-def build_task(script: ScriptArguments, config: Any) -> Any:
+def build_task(script: ScriptArguments, config: Any) -> Task:
     """The `vlm_grpo.task.Task` the flags describe: `--dataset` with `--reward_funcs` (default `answer_accuracy`),
     else the synthetic `--task` with its own reward. Bad data or rewards raise `UsageError`."""
     from .task import dataset_task, synthetic_task
