@@ -49,6 +49,12 @@ def test_a_reward_reading_a_column_the_rows_lack_is_refused_before_training():
     with pytest.raises(DatasetError, match=r"accuracy_reward reads `solution`"):
         synthetic_task("color", train_size=1, test_size=1, reward_funcs=[accuracy_reward])
 
+    def both(prompts, completions, answer, bbox, **kwargs):  # needs both columns; the colour rows have one
+        return [0.0] * len(completions)
+
+    with pytest.raises(DatasetError, match=r"both reads `answer` and `bbox`"):
+        synthetic_task("color", train_size=1, test_size=1, reward_funcs=[both])
+
 
 def test_the_accuracy_reward_is_chosen_not_guessed_from_names():
     # Without a choice: the first reward that reads a gold answer; a format reward reads none.

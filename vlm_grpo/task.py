@@ -41,7 +41,7 @@ class Task:
         train: the training rows (`prompt`, `image`/`images`, the answer columns).
         test: held-out rows for the accuracy before and after training, or None.
         reward_funcs: the training rewards, TRL's signature.
-        accuracy: the reward reported as held-out accuracy (a completion is correct when it scores 1). Chosen by
+        accuracy: the reward reported as held-out accuracy (a completion is correct when it scores >= 1). Chosen by
             the constructor, not guessed from names; it need not be among `reward_funcs` (then it is only evaluated).
         reward_weights: one weight per training reward, or None (all 1.0), as `VLMGRPOConfig.reward_weights`.
         answer_words: the words a tiny model's tokenizer needs to say the answers (synthetic tasks), else None.
@@ -85,9 +85,7 @@ class Task:
             present = set(rows.column_names)
             lacking = [f for f in self.eval_funcs if _lacks_columns(f, present)]
             if lacking:
-                needs = "; ".join(
-                    f"{reward_name(f)} reads {' or '.join(f'`{c}`' for c in reward_columns(f))}" for f in lacking
-                )
+                needs = "; ".join(f"{reward_name(f)} reads {_columns_text(f)}" for f in lacking)
                 hint = (
                     "; name yours with --answer_column" if any("answer" in reward_columns(f) for f in lacking) else ""
                 )
@@ -100,6 +98,12 @@ class Task:
         format reward worth half: `task.with_reward(think_answer_format, 0.5)`. The accuracy reward stays."""
         weights = self.reward_weights or [1.0] * len(self.reward_funcs)
         return dataclasses.replace(self, reward_funcs=[*self.reward_funcs, func], reward_weights=[*weights, weight])
+
+
+def _columns_text(func: RewardFunc) -> str:
+    # A BatchReward reads one of its gold columns; a plain function needs every column it names.
+    joiner = " or " if isinstance(func, BatchReward) else " and "
+    return joiner.join(f"`{c}`" for c in reward_columns(func))
 
 
 def _lacks_columns(func: RewardFunc, present: set[str]) -> bool:
