@@ -6,7 +6,7 @@
     python examples/image_reasoning_grpo.py --model Qwen/Qwen2.5-VL-3B-Instruct --load_in_4bit \
         --dataset hiyouga/geometry3k --eval_split test     # a Hub id, or a JSONL / CSV / Parquet file
 
-Load -> LoRA -> data -> rewards -> GRPO -> accuracy before/after -> merged 16-bit checkpoint. The `vlm-grpo`
+Task (data + rewards) -> load -> LoRA -> GRPO -> accuracy before/after -> merged 16-bit checkpoint. The `vlm-grpo`
 command runs the same recipe in one line; this file is the code to copy and change.
 """
 
@@ -18,19 +18,15 @@ from transformers import PrinterCallback
 
 from vlm_grpo import FastVisionModel, VLMGRPOConfig, VLMGRPOTrainer, build_tiny_vlm, evaluate
 from vlm_grpo.callbacks import LivePlotCallback
-from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
-from vlm_grpo.data.load import load_grpo_dataset
-from vlm_grpo.rewards import answer_accuracy, make_choice_reward, think_answer_format
+from vlm_grpo.data import TASKS
+from vlm_grpo.demo import DEMO
+from vlm_grpo.rewards import think_answer_format
+from vlm_grpo.task import dataset_task, synthetic_task
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-parser.add_argument("--model", default="tiny:qwen2_5_vl", help="Hub id or path; tiny:<family> builds one offline")
+parser.add_argument("--model", default=DEMO.model, help="Hub id or path; tiny:<family> builds one offline")
 parser.add_argument("--load_in_4bit", action="store_true", help="4-bit base weights (CUDA + bitsandbytes)")
-parser.add_argument(
-    "--task",
-    default="color",
-    choices=["color", "count", "spatial", "arithmetic", "position"],
-    help="synthetic task (boxes, i.e. locate, need the iou reward: see examples/recipes)",
-)
+parser.add_argument("--task", default=DEMO.task, choices=TASKS, help="synthetic task (each brings its own reward)")
 parser.add_argument("--dataset", default=None, help="your data instead: a Hub id or a JSONL / CSV / Parquet file")
 parser.add_argument("--eval_split", default=None, help="the dataset's split for accuracy (else 10%% held out)")
 parser.add_argument("--max_steps", type=int, default=None, help="training steps (default: the recipe's)")
@@ -40,11 +36,11 @@ args = parser.parse_args()
 # -- hyperparameters -------------------------------------------------------------------------------------------------
 tiny = args.model.startswith("tiny:")
 if tiny:
-    # A tiny random-init model (docs/demo.md): LoRA on random weights barely learns (embeddings and head stay frozen),
-    # so all weights train; lr 5e-4 (>= 3e-3 collapses to one answer); 16 samples per prompt keep enough groups
-    # with mixed rewards (with 8, some seeds stall); the answer is one word, so 4 new tokens suffice.
+    # The embedded demo's recipe (vlm_grpo.demo.DEMO, docs/demo.md) for a tiny random-init model: all weights train
+    # (LoRA on random weights barely learns), lr 5e-4, 16 samples per prompt, one-word answers in 4 new tokens.
     use_lora, learning_rate, max_steps, num_generations, prompts_per_step, max_completion_length = (
-        False, 5e-4, 400, 16, 4, 4)  # fmt: skip
+        False, DEMO.learning_rate, DEMO.max_steps, DEMO.num_generations, DEMO.prompts_per_step,
+        DEMO.max_completion_length)  # fmt: skip
     system_prompt = None  # a random model cannot learn a reasoning format in a few hundred steps
 else:
     # A pretrained VLM: LoRA (r 16) on a frozen, possibly 4-bit base; a small lr, as RL fine-tunes are fragile; 8
@@ -54,16 +50,28 @@ else:
     system_prompt = ("First think about the question step by step inside <think></think>, then give only the final "
                      "answer inside <answer></answer>.")  # fmt: skip
 max_steps = args.max_steps or max_steps
-seed = 0
+seed = DEMO.seed
 on_gpu = torch.cuda.is_available()
 if not on_gpu:
     torch.set_num_threads(1)  # tiny models on CPU: one thread is fastest
+
+# -- the task: rows with `prompt` (chat messages), `image` and `answer`, and the rewards that score them -----------
+# synthetic_task draws rows with vlm_grpo.data.make_visual_reasoning_dataset (train and test images disjoint by
+# construction) and brings the task's own reward, its accuracy: 1.0 when the completion names exactly one of the
+# task's answers, the right one (a box: its IoU). dataset_task reads yours with vlm_grpo.data.load.load_grpo_dataset
+# and scores it with answer_accuracy: the answer tag's content (numbers, LaTeX and words compared sensibly).
+if args.dataset is None:
+    task = synthetic_task(args.task, seed=seed, system_prompt=system_prompt)
+else:
+    task = dataset_task(args.dataset, eval_split=args.eval_split, seed=seed, system_prompt=system_prompt)
+if system_prompt:  # the format reward is worth half, so a well-formatted wrong answer never outscores a right one
+    task = task.with_reward(think_answer_format, weight=0.5)
 
 # -- model -----------------------------------------------------------------------------------------------------------
 model_path = args.model
 if tiny:  # a real architecture at a tiny size, built offline; its vocabulary includes the task's answer words
     model_path = build_tiny_vlm(args.model.removeprefix("tiny:"), os.path.join(args.output_dir, "tiny-base"),
-                                seed=seed, words=answer_words(args.task, 1) if args.dataset is None else None)  # fmt: skip
+                                seed=seed, words=task.answer_words)  # fmt: skip
 model, processor = FastVisionModel.from_pretrained(
     model_path, load_in_4bit=args.load_in_4bit, full_finetuning=not use_lora
 )
@@ -71,42 +79,22 @@ if use_lora:  # adapters on the vision tower and the language model, attention a
     model = FastVisionModel.get_peft_model(model, r=16, lora_alpha=16, finetune_vision_layers=True,
                                            finetune_language_layers=True, random_state=seed)  # fmt: skip
 
-# -- data: rows with `prompt` (chat messages), `image` and `answer` --------------------------------------------------
-if args.dataset is None:
-    train = make_visual_reasoning_dataset(args.task, 2048, seed=seed, split="train")
-    test = make_visual_reasoning_dataset(args.task, 128, seed=seed, split="test")  # disjoint images by construction
-    if system_prompt:
-        add_system = lambda row: {"prompt": [{"role": "system", "content": system_prompt}, *row["prompt"]]}
-        train, test = train.map(add_system), test.map(add_system)
-else:
-    train, test = load_grpo_dataset(args.dataset, "train", eval_split=args.eval_split,
-                                    test_size=0 if args.eval_split else 0.1, seed=seed, system_prompt=system_prompt)  # fmt: skip
-
-# -- rewards: the first decides accuracy -----------------------------------------------------------------------------
-if tiny and args.dataset is None:
-    # 1.0 when the completion names exactly one of the task's answers, the right one (listing all of them scores 0).
-    reward_funcs, reward_weights = [make_choice_reward(answer_words(args.task, 1))], None
-else:
-    # The answer inside <answer></answer> must match the gold one (numbers, LaTeX and words are compared sensibly);
-    # the format reward is worth half, so a well-formatted wrong answer never outscores a right one.
-    reward_funcs, reward_weights = [answer_accuracy, think_answer_format], [1.0, 0.5]
-
 # -- accuracy before training (greedy decoding) ----------------------------------------------------------------------
-before = evaluate(model, processor, test, reward_funcs, max_new_tokens=max_completion_length)
-print(f"held-out accuracy before training: {before['accuracy']:.3f}  ({len(test)} prompts)", flush=True)
+before = evaluate(model, processor, task.test, task.eval_funcs, max_new_tokens=max_completion_length)  # accuracy first
+print(f"held-out accuracy before training: {before['accuracy']:.3f}  ({len(task.test)} prompts)", flush=True)
 
 # -- GRPO ------------------------------------------------------------------------------------------------------------
 config = VLMGRPOConfig(
     output_dir=args.output_dir,
     learning_rate=learning_rate,
-    lr_scheduler_type="constant",  # short RL runs: no schedule to tune
+    lr_scheduler_type=DEMO.lr_scheduler_type,  # constant: short RL runs have no schedule worth tuning
     max_steps=max_steps,
     per_device_train_batch_size=prompts_per_step * num_generations,  # completions per step
     num_generations=num_generations,  # samples per prompt: GRPO's group, rewards are compared within it
     max_completion_length=max_completion_length,
-    temperature=1.0,  # sample the model's own distribution: diverse groups give a learning signal
-    beta=0.04,  # KL to the starting model keeps it from drifting into reward hacking
-    reward_weights=reward_weights,
+    temperature=DEMO.temperature,  # 1.0, the model's own distribution: diverse groups give a learning signal
+    beta=DEMO.beta,  # KL to the starting model keeps it from drifting into reward hacking
+    reward_weights=task.reward_weights,
     logging_steps=max(1, min(10, max_steps // 10)),
     disable_tqdm=True,  # LivePlotCallback shows progress: a line per logging step (a live plot in Jupyter)
     save_strategy="no",
@@ -115,13 +103,13 @@ config = VLMGRPOConfig(
     dataloader_pin_memory=on_gpu,
     seed=seed,
 )
-trainer = VLMGRPOTrainer(model=model, reward_funcs=reward_funcs, args=config, train_dataset=train,
+trainer = VLMGRPOTrainer(model=model, reward_funcs=task.reward_funcs, args=config, train_dataset=task.train,
                          processing_class=processor, callbacks=[LivePlotCallback(title=f"GRPO: {args.model}")])  # fmt: skip
 trainer.remove_callback(PrinterCallback)  # it would print every logged dict as well
 trainer.train()
 
 # -- accuracy after, and a standalone checkpoint ---------------------------------------------------------------------
-after = evaluate(trainer.model, processor, test, reward_funcs, max_new_tokens=max_completion_length)
+after = evaluate(trainer.model, processor, task.test, task.eval_funcs, max_new_tokens=max_completion_length)
 print(f"held-out accuracy after training:  {after['accuracy']:.3f}", flush=True)
 merged = FastVisionModel.save_pretrained_merged(trainer.model, processor, os.path.join(args.output_dir, "merged"))
 print(f"wrote {merged}: a standalone 16-bit checkpoint (LoRA merged in), for FastVisionModel or transformers")

@@ -1,5 +1,5 @@
 """Callbacks on a real (tiny) GRPO run: sample completions read from TRL's buffers, the metrics JSONL, the live
-plot's text fallback and its PNG."""
+plot's text fallback and its PNG; the command's progress bar / printer and its reward-curve PNG."""
 
 import io
 import json
@@ -10,7 +10,16 @@ from datasets import Image as ImageFeature
 from PIL import Image
 
 from vlm_grpo import FastVisionModel, VLMGRPOConfig, VLMGRPOTrainer
-from vlm_grpo.callbacks import LivePlotCallback, MetricsJsonlCallback, completion_samples, in_notebook
+from vlm_grpo.callbacks import (
+    LivePlotCallback,
+    MetricsJsonlCallback,
+    RewardPrinter,
+    RewardProgressBar,
+    completion_samples,
+    in_notebook,
+    plot_reward_curve,
+    reward_summary,
+)
 from vlm_grpo.data import answer_words
 from vlm_grpo.rewards import make_choice_reward, think_answer_format
 
@@ -97,3 +106,54 @@ def test_live_plot_text_fallback_line(capsys):
     )
     assert capsys.readouterr().out == "step 10/400  choice_accuracy 0.500  mean reward 0.500\n"
     assert plot.history == {"choice_accuracy": [(10, 0.5)], "mean reward": [(10, 0.5)]}  # NaN is not plotted
+
+
+LOGS = {"loss": 0.1, "reward": 0.75, "rewards/choice_accuracy/mean": 0.5, "rewards/choice_accuracy/std": 0.2,
+        "rewards/think_answer_format_long_name/mean": 1.0, "kl": 0.00123}  # fmt: skip
+
+
+def test_reward_summary_names_the_accuracy_reward_it_is_given():
+    assert reward_summary(LOGS, accuracy="choice_accuracy") == {
+        "reward": "0.750", "acc": "0.500", "think_answer_for": "1.000", "kl": "0.00123"
+    }  # fmt: skip
+    # No accuracy reward named: every reward under its own (shortened) name, whatever the names contain.
+    assert list(reward_summary(LOGS)) == ["reward", "choice_accuracy", "think_answer_for", "kl"]
+
+
+def _args():
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir="unused", report_to="none")
+
+
+def test_reward_printer_prints_one_line_per_training_record(capsys):
+    from transformers import TrainerControl, TrainerState
+
+    printer, state = RewardPrinter("choice_accuracy"), TrainerState(global_step=10, max_steps=400)
+    printer.on_log(_args(), state, TrainerControl(), logs=LOGS)
+    printer.on_log(_args(), state, TrainerControl(), logs={"train_runtime": 1.0})  # not a training record
+    assert capsys.readouterr().out == "step 10/400  reward 0.750  acc 0.500  think_answer_for 1.000  kl 0.00123\n"
+
+
+def test_reward_progress_bar_shows_the_summary_in_its_postfix():
+    from transformers import TrainerControl, TrainerState
+
+    bar, state = RewardProgressBar("choice_accuracy"), TrainerState(global_step=1, max_steps=4)
+    bar.on_train_begin(_args(), state, TrainerControl())
+    try:
+        bar.on_log(_args(), state, TrainerControl(), logs=LOGS)
+        assert "reward=0.750" in str(bar.training_bar) and "acc=0.500" in str(bar.training_bar)
+    finally:
+        bar.on_train_end(_args(), state, TrainerControl())
+
+
+def test_reward_curve_png_is_written_whole_from_the_metrics_file(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    records = [{"step": s, "reward": s / 10} for s in (1, 2, 3)] + [{"step": 3, "train_runtime": 1.0}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    plot_reward_curve(metrics, tmp_path / "curve.png", title="test", before=0.25, after=0.75)
+    image = Image.open(tmp_path / "curve.png")
+    assert image.format == "PNG" and image.size == (720, 420)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curve.png", "metrics.jsonl"]  # no temporary left
+    plot_reward_curve(metrics, tmp_path / "no-eval.png", title="no held-out set")  # NaN before/after: no lines
+    assert Image.open(tmp_path / "no-eval.png").size == (720, 420)

@@ -229,11 +229,12 @@ def test_image_folder_with_metadata(tmp_path):
 
 
 def test_system_prompt_and_template_reach_the_synthetic_task_prompts(tmp_path):
-    from vlm_grpo.cli import _synthetic_data
+    from vlm_grpo.cli import build_task
 
     script, config = parse_args(["--train_size", "2", "--test_size", "2", "--output_dir", str(tmp_path / "run"),
                                  "--system_prompt", "Be brief.", "--prompt_template", "{prompt} Think first."])  # fmt: skip
-    train, test, _, _ = _synthetic_data(script, config)
+    task = build_task(script, config)
+    train, test = task.train, task.test
     for prompt in list(train["prompt"]) + list(test["prompt"]):
         assert prompt == [{"role": "system", "content": "Be brief."},
                           {"role": "user", "content": "What colour is the shape? Answer with one word. Think first."}]  # fmt: skip
@@ -261,3 +262,28 @@ def test_checkpointing_off_holds_through_the_held_out_evaluation(tmp_path, monke
                                f"--{CHECKPOINTING_ARG}", "false", *TINY_RUN]))  # fmt: skip
     assert "before/accuracy" in results  # the held-out set was evaluated before training
     assert seen == [False, False]
+
+
+def test_accuracy_reward_is_chosen_by_flag_or_by_what_the_rewards_read():
+    from vlm_grpo.cli import build_task
+    from vlm_grpo.rewards import answer_accuracy, think_answer_format
+
+    def task_of(*flags: str):
+        return build_task(*parse_args(["--train_size", "2", "--test_size", "2", *flags]))
+
+    assert task_of().accuracy.__name__ == "choice_accuracy"  # the synthetic task's own reward
+    # Without the flag, the format reward (it reads no gold answer) is not the judge, wherever it is listed.
+    assert task_of("--reward_funcs", "think_answer_format", "answer_accuracy").accuracy is answer_accuracy
+    chosen = task_of("--reward_funcs", "think_answer_format", "--accuracy_reward", "answer_accuracy")
+    assert chosen.reward_funcs == [think_answer_format] and chosen.eval_funcs == [answer_accuracy, think_answer_format]
+
+
+def test_rewards_reading_columns_the_data_lacks_are_refused_with_nothing_written(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    assert main(["--output_dir", str(out), "--reward_funcs", "iou"]) == 2  # the colour task has no boxes
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("vlm-grpo: error: iou reads `bbox`, which the training rows lack") and "\n" not in err
+    assert main(["--output_dir", str(out), "--accuracy_reward", "no_such_reward"]) == 2
+    assert "unknown reward 'no_such_reward'" in capsys.readouterr().err
+    assert not out.exists()

@@ -14,8 +14,9 @@ import yaml
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
-from vlm_grpo.cli import parse_args, resolve_reward
+from vlm_grpo.cli import parse_args
 from vlm_grpo.data import TASKS
+from vlm_grpo.rewards import resolve_reward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")

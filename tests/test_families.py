@@ -240,7 +240,7 @@ def test_engine_tables_are_what_the_registry_offers(tiny_dir):
     try:  # the engine is moving into its own subpackage
         shared_prefix = importlib.import_module("vlm_grpo.engine.shared_prefix")
     except ModuleNotFoundError:
-        shared_prefix = importlib.import_module("vlm_grpo.shared_prefix")
+        shared_prefix = importlib.import_module("vlm_grpo.engine.shared_prefix")
 
     assert shared_prefix.SUPPORTED_MODEL_TYPES == model_types(lambda f: f.shared_prefix)
     assert shared_prefix._MROPE_TYPES == model_types(lambda f: f.rope == "mrope" and f.shared_prefix)

@@ -246,7 +246,7 @@ def test_quantisation_without_bitsandbytes_names_the_extra(tiny_dir, monkeypatch
 
     monkeypatch.setattr(builtins, "__import__", no_bnb)
     with pytest.raises(ImportError, match=r"vlm-grpo\[quant\]"):
-        model_module._check_quantization(load_in_4bit=True, load_in_8bit=False)
+        model_module.check_quantization(load_in_4bit=True, load_in_8bit=False)
 
 
 def test_lora_bad_arguments(tiny_dir):

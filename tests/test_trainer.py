@@ -71,7 +71,7 @@ def test_learns_colour_task_from_random_init(tiny_dir, tmp_path, family, steps, 
     test = make_visual_reasoning_dataset("color", 64, seed=0, split="test")
     model, processor = _model(tiny_dir, family)
     before = evaluate(model, processor, test, [choice], max_new_tokens=4)["accuracy"]
-    # The demo's recipe (vlm_grpo.cli.DEMO_DEFAULTS): 4 prompts x 16 generations, lr 5e-4.
+    # The demo's recipe (vlm_grpo.demo.DEMO): 4 prompts x 16 generations, lr 5e-4.
     config = _config(tmp_path, per_device_train_batch_size=64, num_generations=16, max_steps=steps, logging_steps=50)
     trainer = VLMGRPOTrainer(model, [choice], args=config, train_dataset=train, processing_class=processor)
     trainer.train()

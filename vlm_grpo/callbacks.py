@@ -4,6 +4,10 @@
   rewards at each logging step (read from the buffer TRL fills for its `log_completions` tables).
 - `LivePlotCallback`: the mean reward and each reward function's mean (accuracy, format...) redrawn as one plot
   in Jupyter at every logging step; one text line per logging step elsewhere.
+- `RewardProgressBar` / `RewardPrinter`: transformers' progress bar with the few numbers worth watching in its
+  postfix, or one short line per logging step, in place of a printed dict per log (what `vlm-grpo` shows).
+- `plot_reward_curve`: the mean training reward of a `metrics.jsonl`, with the held-out accuracy before and
+  after, as a PNG (`reward_curve.png`).
 """
 
 from __future__ import annotations
@@ -14,9 +18,18 @@ import math
 import os
 from typing import Any
 
-from transformers import TrainerCallback
+from transformers import ProgressCallback, TrainerCallback
 
-__all__ = ["LivePlotCallback", "MetricsJsonlCallback", "completion_samples", "in_notebook"]
+__all__ = [
+    "LivePlotCallback",
+    "MetricsJsonlCallback",
+    "RewardPrinter",
+    "RewardProgressBar",
+    "completion_samples",
+    "in_notebook",
+    "plot_reward_curve",
+    "reward_summary",
+]
 
 
 def in_notebook() -> bool:
@@ -177,3 +190,97 @@ class LivePlotCallback(TrainerCallback):
             self._handle = display(image, display_id=True)
         else:
             self._handle.update(image)
+
+
+def reward_summary(logs: dict[str, Any], accuracy: str | None = None) -> dict[str, str]:
+    """The few numbers worth watching in a training log record: the mean reward, each reward function's mean (the
+    one named `accuracy` shown as `acc`) and the KL, formatted."""
+    shown = {}
+    if "reward" in logs:
+        shown["reward"] = f"{logs['reward']:.3f}"
+    for key, value in logs.items():
+        if key.startswith("rewards/") and key.endswith("/mean"):
+            name = key[len("rewards/") : -len("/mean")]
+            shown["acc" if name == accuracy else name[:16]] = f"{value:.3f}"
+    if "kl" in logs:
+        shown["kl"] = f"{logs['kl']:.3g}"
+    return shown
+
+
+class RewardProgressBar(ProgressCallback):
+    """transformers' training progress bar with `reward_summary` in its postfix; replaces `ProgressCallback` and
+    `PrinterCallback`, which print every log record as a dict.
+
+    Args:
+        accuracy: the name of the reward reported as accuracy (shown as `acc`), or None.
+    """
+
+    def __init__(self, accuracy: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.accuracy = accuracy
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        """Put the training record's summary in the bar's postfix (main process only)."""
+        if state.is_world_process_zero and self.training_bar is not None and logs and "reward" in logs:
+            self.training_bar.set_postfix(reward_summary(logs, self.accuracy), refresh=True)
+
+
+class RewardPrinter(TrainerCallback):
+    """One short line per training log record, `step 10/400  reward 0.531  acc 0.531  kl 0.0012`: the progress
+    where no bar is wanted (`disable_tqdm`, logs read later).
+
+    Args:
+        accuracy: the name of the reward reported as accuracy (shown as `acc`), or None.
+    """
+
+    def __init__(self, accuracy: str | None = None) -> None:
+        self.accuracy = accuracy
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        """Print the training record's summary (main process only)."""
+        if state.is_world_process_zero and logs and "reward" in logs:
+            shown = "  ".join(f"{k} {v}" for k, v in reward_summary(logs, self.accuracy).items())
+            print(f"step {state.global_step}/{state.max_steps}  {shown}", flush=True)
+
+
+def plot_reward_curve(
+    metrics_path: str | os.PathLike,
+    png_path: str | os.PathLike,
+    *,
+    title: str,
+    before: float = math.nan,
+    after: float = math.nan,
+) -> None:
+    """Draw the mean training reward per logging step of `metrics_path` (`MetricsJsonlCallback`'s file), with the
+    held-out accuracy `before` and `after` training as dashed lines (left out when NaN), to `png_path`.
+
+    The PNG is written to a temporary name and moved into place, so a reader never sees half a file; matplotlib's
+    Agg canvas draws it, without pyplot's global state or a GUI backend.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    steps, rewards = [], []
+    with open(metrics_path) as f:
+        for line in f:
+            record = json.loads(line)
+            if "reward" in record:
+                steps.append(record["step"])
+                rewards.append(record["reward"])
+    fig = Figure(figsize=(6, 3.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot(steps, rewards, marker=".", label="mean training reward")
+    if not math.isnan(before):
+        ax.axhline(before, color="gray", linestyle="--", label=f"held-out accuracy before ({before:.2f})")
+    if not math.isnan(after):
+        ax.axhline(after, color="green", linestyle="--", label=f"held-out accuracy after ({after:.2f})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward / accuracy")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    png_path = os.fspath(png_path)
+    tmp = png_path + ".tmp.png"
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, png_path)

@@ -82,7 +82,7 @@ class Family:
     bidirectional_image_attention: bool
     #: The frame the family writes boxes in (see `vlm_grpo.rewards.grounding`); None: no native frame.
     box_frame: BoxFrame | None
-    #: Whether shared-prefix scoring (`vlm_grpo.shared_prefix`) serves it: checked against the unpacked forward.
+    #: Whether shared-prefix scoring (`vlm_grpo.engine.shared_prefix`) serves it: checked against the unpacked forward.
     shared_prefix: bool
     #: Whether `vlm_grpo.tiny.build_tiny_vlm` builds an offline tiny model of it (tests, the demo).
     tiny: bool

@@ -28,7 +28,7 @@ from .pixel_budget import set_processor_pixel_budget
 from .processor import load_processor
 from .validation import is_int
 
-__all__ = ["FastBaseVisionModel", "FastVisionModel", "LoraSelection", "select_lora_modules"]
+__all__ = ["FastBaseVisionModel", "FastVisionModel", "LoraSelection", "check_quantization", "select_lora_modules"]
 
 
 def _is_linear(module: nn.Module) -> bool:
@@ -59,7 +59,9 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str:
     raise ValueError(f"dtype must be a torch dtype, its name (e.g. 'bfloat16') or 'auto', got {dtype!r}.")
 
 
-def _check_quantization(load_in_4bit: bool, load_in_8bit: bool) -> None:
+def check_quantization(load_in_4bit: bool, load_in_8bit: bool) -> None:
+    """Raise unless the requested quantisation can load here: not both, bitsandbytes installed, and a CUDA GPU or
+    bitsandbytes' CPU backend (`ValueError`, `ImportError`, `RuntimeError`; the message names the fix)."""
     if not (load_in_4bit or load_in_8bit):
         return
     if load_in_4bit and load_in_8bit:
@@ -146,7 +148,7 @@ class FastBaseVisionModel:
             )
         if kwargs.get("quantization_config") is not None and (load_in_4bit or load_in_8bit):
             raise ValueError("Pass either quantization_config or load_in_4bit / load_in_8bit, not both.")
-        _check_quantization(load_in_4bit, load_in_8bit)
+        check_quantization(load_in_4bit, load_in_8bit)
         if full_finetuning and (load_in_4bit or load_in_8bit or kwargs.get("quantization_config") is not None):
             raise ValueError(
                 "full_finetuning needs 16/32-bit weights: drop load_in_4bit / load_in_8bit / quantization_config, or "

@@ -9,6 +9,9 @@ TRL's helpers are re-exported rather than rewritten: ``get_soft_overlong_punishm
 ``get_repetition_penalty_reward`` (they score ``completion_ids``), ``accuracy_reward`` /
 ``reasoning_accuracy_reward`` / ``get_cosine_scaled_reward`` (Math-Verify on ``solution``), and
 ``think_format_reward``, wrapped here so plain-string completions work too.
+
+Rewards by name (``resolve_reward("answer_accuracy")``, or an import path ``pkg.mod:fn``) and the gold columns each
+reads (``reward_columns``) are in :mod:`vlm_grpo.rewards.registry`.
 """
 
 from trl.rewards import (
@@ -27,6 +30,7 @@ from .format import think_answer_format, think_format_reward
 from .grounding import FRAMES, box_iou, coordinate_frame_for, iou, iou_threshold, make_iou_reward, parse_box
 from .math import answer_accuracy, answers_match, parse_number
 from .parsing import answer_span, extract_answer, final_segment
+from .registry import resolve_reward, reward_columns, reward_names
 
 __all__ = [
     "FRAMES",
@@ -61,6 +65,9 @@ __all__ = [
     "parse_box",
     "parse_number",
     "reasoning_accuracy_reward",
+    "resolve_reward",
+    "reward_columns",
+    "reward_names",
     "think_answer_format",
     "think_format_reward",
 ]

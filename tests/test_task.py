@@ -1,0 +1,110 @@
+"""vlm_grpo.task: the training rows, held-out rows and rewards bundled; each synthetic task scores its own answers."""
+
+import json
+
+import pytest
+from PIL import Image
+
+from vlm_grpo.data import TASKS
+from vlm_grpo.data.load import DatasetError
+from vlm_grpo.rewards import (
+    accuracy_reward,
+    answer_accuracy,
+    counting,
+    iou,
+    think_answer_format,
+    think_format_reward,
+)
+from vlm_grpo.task import SYNTHETIC_REWARDS, Task, dataset_task, default_accuracy, synthetic_task
+
+
+def test_every_synthetic_task_has_its_own_reward():
+    assert set(SYNTHETIC_REWARDS) == set(TASKS)
+
+
+@pytest.mark.parametrize("name", TASKS)
+def test_a_synthetic_task_pays_its_gold_answers_and_not_a_wrong_one(name):
+    task = synthetic_task(name, train_size=3, test_size=2, difficulty=2)
+    assert task.reward_funcs == [task.accuracy] and task.eval_funcs == [task.accuracy]
+    assert task.name == f"synthetic task '{name}'" and len(task.train) == 3 and len(task.test) == 2
+    rows = task.train.to_dict()
+    columns = {k: v for k, v in rows.items() if k != "prompt"}
+    assert task.accuracy(rows["prompt"], rows["answer"], **columns) == [1.0] * 3  # the gold answer, as completion
+    assert task.accuracy(rows["prompt"], ["nothing"] * 3, **columns) == [0.0] * 3
+    # The tiny model's vocabulary can say every answer.
+    assert all(w in task.answer_words for answer in rows["answer"] for w in answer.strip("[]").split(", "))
+
+
+def test_answer_columns_come_from_what_the_rewards_declare():
+    task = synthetic_task("locate", train_size=1, test_size=1).with_reward(think_answer_format, 0.5)
+    assert task.accuracy is iou
+    assert task.answer_columns == {"iou": ("bbox",)}  # the format reward reads none
+    assert synthetic_task("color", train_size=1, test_size=1).answer_columns == {"choice_accuracy": ("answer",)}
+
+
+def test_a_reward_reading_a_column_the_rows_lack_is_refused_before_training():
+    with pytest.raises(DatasetError, match=r"iou reads `bbox`, which the training rows lack \(columns: answer, image"):
+        synthetic_task("color", train_size=1, test_size=1, reward_funcs=[iou])
+    # A plain TRL function names its columns in its signature: accuracy_reward(completions, solution, ...).
+    with pytest.raises(DatasetError, match=r"accuracy_reward reads `solution`"):
+        synthetic_task("color", train_size=1, test_size=1, reward_funcs=[accuracy_reward])
+
+    def both(prompts, completions, answer, bbox, **kwargs):  # needs both columns; the colour rows have one
+        return [0.0] * len(completions)
+
+    with pytest.raises(DatasetError, match=r"both reads `answer` and `bbox`"):
+        synthetic_task("color", train_size=1, test_size=1, reward_funcs=[both])
+
+
+def test_the_accuracy_reward_is_chosen_not_guessed_from_names():
+    # Without a choice: the first reward that reads a gold answer; a format reward reads none.
+    assert default_accuracy([think_answer_format, answer_accuracy]) is answer_accuracy
+    assert default_accuracy([think_format_reward, accuracy_reward]) is accuracy_reward  # plain TRL functions too
+    assert default_accuracy([counting, answer_accuracy]) is counting  # names play no part
+    assert default_accuracy([think_answer_format]) is think_answer_format
+    # A chosen accuracy reward goes first in evaluation, even one that is not trained on.
+    task = synthetic_task("count", train_size=1, test_size=1, reward_funcs=[think_answer_format], accuracy=counting)
+    assert task.reward_funcs == [think_answer_format] and task.eval_funcs == [counting, think_answer_format]
+
+
+def test_with_reward_adds_a_weighted_reward_and_leaves_the_task_as_it_was():
+    task = synthetic_task("color", train_size=1, test_size=1)
+    graded = task.with_reward(think_answer_format, weight=0.5)
+    assert graded.reward_funcs == [task.accuracy, think_answer_format] and graded.reward_weights == [1.0, 0.5]
+    assert graded.accuracy is task.accuracy and graded.train is task.train
+    assert task.reward_funcs == [task.accuracy] and task.reward_weights is None
+
+
+def test_a_task_refuses_mismatched_weights_and_no_rewards():
+    with pytest.raises(ValueError, match="2 reward weight"):
+        Task("t", None, None, [answer_accuracy], answer_accuracy, reward_weights=[1.0, 0.5])
+    with pytest.raises(ValueError, match="at least one reward"):
+        Task("t", None, None, [], answer_accuracy)
+
+
+def _jsonl(tmp_path, rows):
+    path = tmp_path / "train.jsonl"
+    with open(path, "w") as f:
+        for i, row in enumerate(rows):
+            Image.new("RGB", (16, 16), (40 * i % 256, 0, 0)).save(tmp_path / f"{i}.png")
+            f.write(json.dumps({"image": f"{i}.png", **row}) + "\n")
+    return str(path)
+
+
+def test_dataset_task_scores_answers_by_default_and_holds_rows_out(tmp_path):
+    path = _jsonl(tmp_path, [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(10)])
+    task = dataset_task(path, test_size=2)
+    assert task.name == "train.jsonl" and len(task.train) == 8 and len(task.test) == 2
+    assert task.reward_funcs == [answer_accuracy] and task.accuracy is answer_accuracy
+    graded = dataset_task(path, reward_funcs=[think_answer_format, counting], reward_weights=[0.5, 1.0], test_size=0)
+    assert graded.test is None and graded.accuracy is counting and graded.reward_weights == [0.5, 1.0]
+
+
+def test_dataset_task_without_answers_names_the_fix(tmp_path):
+    path = _jsonl(tmp_path, [{"question": "What colour?", "label": "red"} for _ in range(4)])
+    with pytest.raises(DatasetError, match="no answer column .* --answer_column, or give --reward_funcs"):
+        dataset_task(path, test_size=0)
+    with pytest.raises(DatasetError, match="counting reads `answer`, .*; name yours with --answer_column"):
+        dataset_task(path, test_size=0, reward_funcs=[counting])
+    assert dataset_task(path, test_size=0, answer_column="label").accuracy is answer_accuracy
+    assert dataset_task(path, test_size=0, reward_funcs=[think_answer_format]).answer_columns == {}

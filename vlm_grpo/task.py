@@ -1,0 +1,250 @@
+"""A task: what to train on and how it is scored, bundled so a script says it once.
+
+Shaped like an environment of willccbb/verifiers (a dataset, an eval dataset and a rubric): a `Task` holds the
+training rows, the held-out rows, the reward functions (TRL's signature, `(prompts, completions, **columns) ->
+list[float | None]`), the one reward reported as held-out accuracy, and the answer columns those rewards read.
+The `vlm-grpo` command, `examples/image_reasoning_grpo.py` and the notebook all build one:
+
+    task = synthetic_task("count", difficulty=2)              # vlm_grpo.data's scenes, with the task's own reward
+    task = dataset_task("data/train.jsonl", reward_funcs=[think_answer_format, answer_accuracy])   # your data
+    trainer = VLMGRPOTrainer(model, task.reward_funcs, args=config, train_dataset=task.train, processing_class=processor)
+    evaluate(model, processor, task.test, task.eval_funcs)    # the accuracy reward first: it decides correctness
+
+This module sits above `vlm_grpo.data` (rows) and `vlm_grpo.rewards` (scoring) and imports both, so neither has to
+know the other; it is `vlm_grpo.task`, one task object, beside `vlm_grpo.data.tasks`, the scene generators.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .data import answer_words, make_visual_reasoning_dataset
+from .data.load import DatasetError, load_grpo_dataset
+from .data.tasks import check_task
+from .demo import DEMO
+from .reward_checks import reward_name
+from .rewards import BatchReward, RewardFunc, answer_accuracy, iou, make_choice_reward, reward_columns
+
+__all__ = ["SYNTHETIC_REWARDS", "Task", "dataset_task", "default_accuracy", "synthetic_task"]
+
+
+@dataclass
+class Task:
+    """Training rows, held-out rows and the rewards that score them.
+
+    Attributes:
+        name: how logs and plots name it, e.g. `synthetic task 'color'` or `train.jsonl`.
+        train: the training rows (`prompt`, `image`/`images`, the answer columns).
+        test: held-out rows for the accuracy before and after training, or None.
+        reward_funcs: the training rewards, TRL's signature.
+        accuracy: the reward reported as held-out accuracy (a completion is correct when it scores >= 1). Chosen by
+            the constructor, not guessed from names; it need not be among `reward_funcs` (then it is only evaluated).
+        reward_weights: one weight per training reward, or None (all 1.0), as `VLMGRPOConfig.reward_weights`.
+        answer_words: the words a tiny model's tokenizer needs to say the answers (synthetic tasks), else None.
+    """
+
+    name: str
+    train: Any
+    test: Any | None
+    reward_funcs: list[RewardFunc]
+    accuracy: RewardFunc
+    reward_weights: list[float] | None = None
+    answer_words: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        self.reward_funcs = list(self.reward_funcs)
+        if not self.reward_funcs or not all(callable(f) for f in [*self.reward_funcs, self.accuracy]):
+            raise ValueError("a task needs at least one reward function, and every reward (accuracy too) callable.")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"{len(self.reward_weights)} reward weight(s) for {len(self.reward_funcs)} reward function(s)."
+            )
+
+    @property
+    def eval_funcs(self) -> list[RewardFunc]:
+        """The rewards for `vlm_grpo.evaluate`: the accuracy reward first (evaluate's first reward decides
+        correctness), then the other training rewards."""
+        return [self.accuracy] + [f for f in self.reward_funcs if f is not self.accuracy]
+
+    @property
+    def answer_columns(self) -> dict[str, tuple[str, ...]]:
+        """Each reward's gold-answer columns, by reward name (`vlm_grpo.rewards.reward_columns`: what a `BatchReward`
+        declares, or a plain function's required column parameters); rewards that read none are left out."""
+        return {reward_name(f): reward_columns(f) for f in self.eval_funcs if reward_columns(f)}
+
+    def check_columns(self) -> None:
+        """Raise `DatasetError` when a split lacks the answer columns a reward reads, naming the reward and the
+        columns; TRL would otherwise fail at the first reward call, after the model has loaded."""
+        for split, rows in (("training", self.train), ("held-out", self.test)):
+            if rows is None:
+                continue
+            present = set(rows.column_names)
+            lacking = [f for f in self.eval_funcs if _lacks_columns(f, present)]
+            if lacking:
+                needs = "; ".join(f"{reward_name(f)} reads {_columns_text(f)}" for f in lacking)
+                hint = (
+                    "; name yours with --answer_column" if any("answer" in reward_columns(f) for f in lacking) else ""
+                )
+                raise DatasetError(
+                    f"{needs}, which the {split} rows lack (columns: {', '.join(sorted(present))}){hint}."
+                )
+
+    def with_reward(self, func: RewardFunc, weight: float = 1.0) -> Task:
+        """This task with one more training reward, weighted against the others (1.0 each unless weighted), e.g. a
+        format reward worth half: `task.with_reward(think_answer_format, 0.5)`. The accuracy reward stays."""
+        weights = self.reward_weights or [1.0] * len(self.reward_funcs)
+        return dataclasses.replace(self, reward_funcs=[*self.reward_funcs, func], reward_weights=[*weights, weight])
+
+
+def _columns_text(func: RewardFunc) -> str:
+    # A BatchReward reads one of its gold columns; a plain function needs every column it names.
+    joiner = " or " if isinstance(func, BatchReward) else " and "
+    return joiner.join(f"`{c}`" for c in reward_columns(func))
+
+
+def _lacks_columns(func: RewardFunc, present: set[str]) -> bool:
+    columns = reward_columns(func)
+    if isinstance(func, BatchReward):  # it reads the first of its gold columns that is present
+        return bool(columns) and not present & set(columns)
+    return not set(columns) <= present  # a plain function's column parameters are all required
+
+
+def default_accuracy(reward_funcs: Sequence[RewardFunc]) -> RewardFunc:
+    """The reward reported as accuracy when none is named: the first that reads a gold answer column (a format
+    reward, which reads none, would count a well-formatted wrong answer as correct); else the first."""
+    return next((f for f in reward_funcs if reward_columns(f)), reward_funcs[0])
+
+
+def _choice(task: str) -> Callable[[int], RewardFunc]:
+    # Closed vocabulary: 1.0 when the completion names exactly one of the task's answers, the right one.
+    return lambda difficulty: make_choice_reward(answer_words(task, difficulty))
+
+
+#: Each synthetic task's own reward, made for a difficulty (which sets the answer vocabulary).
+SYNTHETIC_REWARDS: dict[str, Callable[[int], RewardFunc]] = {
+    "color": _choice("color"),
+    "count": _choice("count"),
+    "spatial": _choice("spatial"),
+    "arithmetic": _choice("arithmetic"),
+    "locate": lambda difficulty: iou,  # a box: its IoU with the gold box, in the image's pixels
+    "position": _choice("position"),
+}
+
+
+def synthetic_task(
+    name: str = DEMO.task,
+    *,
+    difficulty: int = DEMO.difficulty,
+    train_size: int = DEMO.train_size,
+    test_size: int = DEMO.test_size,
+    image_size: int = DEMO.image_size,
+    seed: int = DEMO.seed,
+    system_prompt: str | None = None,
+    prompt_template: str | None = None,
+    reward_funcs: Sequence[RewardFunc] | None = None,
+    accuracy: RewardFunc | None = None,
+) -> Task:
+    """A procedural task of `vlm_grpo.data` (`color`, `count`, `spatial`, `arithmetic`, `locate`, `position`) with
+    its own reward (`SYNTHETIC_REWARDS`) as training reward and accuracy.
+
+    Args:
+        name, difficulty, image_size, seed: as `make_visual_reasoning_dataset`; train and test images are disjoint.
+        train_size, test_size: rows of each split (`test_size` 0: no held-out rows).
+        system_prompt: a system message before every question.
+        prompt_template: the question's text with `{prompt}` replaced by it, e.g. `"{prompt} Think first."`.
+        reward_funcs: other training rewards instead of the task's own.
+        accuracy: the reward reported as accuracy; default the task's own reward, or with `reward_funcs` given,
+            `default_accuracy(reward_funcs)`.
+
+    Raises:
+        ValueError: an unknown task or difficulty, a template without `{prompt}`, or rewards whose answer columns
+            the rows lack (`DatasetError`).
+    """
+    check_task(name)
+    if prompt_template is not None and "{prompt}" not in prompt_template:
+        raise ValueError("prompt_template must contain {prompt}, where the question goes.")
+    own = SYNTHETIC_REWARDS[name](difficulty)
+    funcs = list(reward_funcs) if reward_funcs else [own]
+    make = {"seed": seed, "image_size": image_size, "difficulty": difficulty}
+    train = make_visual_reasoning_dataset(name, train_size, split="train", **make)
+    test = make_visual_reasoning_dataset(name, test_size, split="test", **make) if test_size else None
+    if system_prompt or prompt_template:
+        train, test = (_edit_prompts(d, system_prompt, prompt_template) for d in (train, test))
+    if accuracy is None:
+        accuracy = default_accuracy(funcs) if reward_funcs else own
+    words = answer_words(name, difficulty, image_size=image_size)
+    task = Task(f"synthetic task '{name}'", train, test, funcs, accuracy, answer_words=words)
+    task.check_columns()
+    return task
+
+
+def _edit_prompts(dataset: Any, system_prompt: str | None, template: str | None) -> Any:
+    """A system prompt and a template on synthetic rows (chat prompts of one user message with string content)."""
+    if dataset is None:
+        return None
+    import datasets
+
+    def edit(row: dict[str, Any]) -> dict[str, Any]:
+        messages = [dict(m) for m in row["prompt"]]
+        if template:
+            messages[-1]["content"] = template.replace("{prompt}", messages[-1]["content"])
+        if system_prompt:
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        return {"prompt": messages}
+
+    datasets.disable_progress_bars()  # a quick map of generated rows is not worth a bar
+    try:
+        return dataset.map(edit)
+    finally:
+        datasets.enable_progress_bars()
+
+
+def dataset_task(
+    source: str,
+    split: str = "train",
+    *,
+    reward_funcs: Sequence[RewardFunc] | None = None,
+    accuracy: RewardFunc | None = None,
+    reward_weights: Sequence[float] | None = None,
+    test_size: float = 0.1,
+    seed: int = 0,
+    **load_kwargs: Any,
+) -> Task:
+    """Your own data (`vlm_grpo.data.load.load_grpo_dataset`: a Hub id, a `save_to_disk` directory, a JSONL / CSV /
+    Parquet file or an image folder) with your rewards.
+
+    Args:
+        source, split: what to load and the split to train on.
+        reward_funcs: training rewards (`vlm_grpo.rewards.resolve_reward` turns names into them); default
+            `answer_accuracy`, which needs an `answer` column.
+        accuracy: the reward reported as accuracy; default `default_accuracy(reward_funcs)`.
+        reward_weights: one weight per training reward.
+        test_size: held-out rows when no `eval_split` is given: a fraction (< 1) or a count; 0: none.
+        seed: the held-out rows' shuffle.
+        load_kwargs: the rest of `load_grpo_dataset`'s options: `name` (Hub configuration), `eval_split`,
+            `prompt_column`, `image_column`, `answer_column`, `system_prompt`, `prompt_template`.
+
+    Raises:
+        DatasetError: rows that cannot be used as given, or that lack a reward's answer columns (the message names
+            the fix); `OSError` for a source that cannot be read or fetched.
+    """
+    from .rows import check_dataset
+
+    train, test = load_grpo_dataset(source, split, test_size=test_size, seed=seed, **load_kwargs)
+    check_dataset(train, "dataset", check_images=False)  # rows the trainer would refuse, before a model loads
+    if not reward_funcs:
+        if "answer" not in train.column_names:
+            raise DatasetError(f"no answer column (columns: {', '.join(train.column_names)}): name it with "
+                               "--answer_column, or give --reward_funcs.")  # fmt: skip
+        reward_funcs = [answer_accuracy]
+    funcs = list(reward_funcs)
+    weights = list(reward_weights) if reward_weights is not None else None
+    name = os.path.basename(source.rstrip("/")) or source
+    accuracy = default_accuracy(funcs) if accuracy is None else accuracy
+    task = Task(name, train, test, funcs, accuracy, reward_weights=weights)
+    task.check_columns()
+    return task
