@@ -6,7 +6,6 @@ built by transformers from the tiny Qwen3-VL's config with a mixture-of-experts 
 """
 
 import dataclasses
-import importlib
 import inspect
 import json
 
@@ -235,21 +234,12 @@ def test_qwen3_vl_moe_is_known_everywhere_through_its_record(tiny_dir, tmp_path)
     assert saved["video_processor"]["video_processor_type"] == FAMILIES["qwen3_vl_moe"].video_processor
 
 
-def test_engine_tables_are_what_the_registry_offers(tiny_dir):
-    """What shared-prefix scoring hard-codes today, as the registry gives it (for wiring the engine to it)."""
-    try:  # the engine is moving into its own subpackage
-        shared_prefix = importlib.import_module("vlm_grpo.engine.shared_prefix")
-    except ModuleNotFoundError:
-        shared_prefix = importlib.import_module("vlm_grpo.engine.shared_prefix")
+def test_the_engine_serves_the_families_the_registry_says(tiny_dir):
+    from vlm_grpo.engine.shared_prefix import SUPPORTED_MODEL_TYPES
 
-    assert shared_prefix.SUPPORTED_MODEL_TYPES == model_types(lambda f: f.shared_prefix)
-    assert shared_prefix._MROPE_TYPES == model_types(lambda f: f.rope == "mrope" and f.shared_prefix)
-    # The engine also lists Qwen3-VL as taking a mask dict; its text model does not, which is harmless there since it
-    # passes a dict only for sliding-window layers, and Qwen3-VL has none.
-    assert set(model_types(lambda f: f.dict_mask)) == set(shared_prefix._DICT_MASK_TYPES) - {"qwen3_vl"}
+    assert SUPPORTED_MODEL_TYPES == model_types(lambda f: f.shared_prefix)
     for model_type in ALL:
         model, _ = _real(tiny_dir, model_type)
         # A text model with sliding-window layers needs their own mask, so its family must take a mask dict.
         layer_types = set(getattr(model.config.get_text_config(), "layer_types", None) or ["full_attention"])
         assert layer_types == {"full_attention"} or FAMILIES[model_type].dict_mask
-        assert FAMILIES[model_type].image_token_ids(model.config) == shared_prefix._image_token_ids(model.config)

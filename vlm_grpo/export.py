@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .families import core_model
+
 __all__ = ["atomic_directory", "merged_state_dict", "write_checkpoint"]
 
 
@@ -26,12 +28,11 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype = torch.float16) -> d
     4-bit / 8-bit weights are dequantised with PEFT's own helper. Tied parameters (one object under two names) map to
     one tensor under both names, so `save_pretrained` keeps the name transformers expects and drops the alias.
     """
-    from peft import PeftModel
     from peft.tuners.lora import LoraLayer
     from peft.utils import ModulesToSaveWrapper
     from peft.utils.integrations import dequantize_module_weight
 
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    base = core_model(model)
     state: dict[str, torch.Tensor] = {}
     converted: dict[int, torch.Tensor] = {}  # id of a live parameter -> its exported tensor (shared by tied names)
     replaced: set[int] = set()  # live parameters exported as merged / dequantised temporaries instead
@@ -151,9 +152,8 @@ def write_checkpoint(
     weights that are no longer quantised. `model` is not touched. The processor is saved alongside.
     """
     from accelerate import init_empty_weights
-    from peft import PeftModel
 
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    base = core_model(model)
     config = copy.deepcopy(base.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the merged weights are plain `dtype`

@@ -33,6 +33,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from ..compat import cache_kwarg
+from ..families import core_model
 from ..private_api import (
     can_generate_fast,
     eos_tokens,
@@ -154,7 +155,7 @@ class FastGenerator:
 
     def unsupported_reason(self, model: nn.Module) -> str | None:
         """Why this model cannot use the fast path (None when it can)."""
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = core_model(model)
         if getattr(base.config, "is_encoder_decoder", False):
             return "encoder-decoder models are not supported"
         if not can_generate_fast(base):
@@ -198,7 +199,7 @@ class FastGenerator:
         `prompt_ids`, `images` and `multimodal_fields` are what TRL's `_tokenize_prompts` returns;
         `generation_config` is the trainer's (TRL's sampling settings).
         """
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = core_model(model)
         device = next(base.parameters()).device
         images_per_row = [len(row or []) for row in images] if images is not None else [0] * len(prompt_ids)
         try:  # the groups, and the processor outputs of each group's first row

@@ -42,14 +42,13 @@ from typing import Any
 
 import torch
 
+from ..families import core_model, family_of, find_family, model_types
 from .batch_layout import ImageLayout, LayoutUnknown, group_rows
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "SharedPrefixUnsupported", "shared_prefix_logps", "unsupported_reason"]
 
-_MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = (*_MROPE_TYPES, "gemma3", "idefics3")
-# Text models that accept `attention_mask` as a {layer type: 4-D mask} dict (needed when layers differ).
-_DICT_MASK_TYPES = (*_MROPE_TYPES, "gemma3")
+# The families it serves (`Family.shared_prefix`, each checked against the unpacked forward in tests/test_families.py).
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = model_types(lambda family: family.shared_prefix)
 _MASK_ATTENTION = ("sdpa", "eager")
 _HANDLED_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "token_type_ids",
                    "mm_token_type_ids")  # fmt: skip
@@ -59,21 +58,16 @@ class SharedPrefixUnsupported(Exception):
     """The shared path cannot serve this model or batch; the message says why (use the plain path)."""
 
 
-def _core_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under a PEFT wrapper."""
-    get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) else model
-
-
 def unsupported_reason(model: torch.nn.Module, compute_aux_loss: bool = False, **model_inputs: Any) -> str | None:
     """Why the shared path cannot score `model` with these inputs (None when it can).
 
     Checks the model (family, attention implementation, layer types, PEFT type) and which multimodal inputs are
     present; the batch itself (groups, images in completions) is checked by `shared_prefix_logps`.
     """
-    core = _core_model(model)
+    core = core_model(model)
     config = core.config
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
+    family = find_family(config)
+    if family is None or not family.shared_prefix:
         return f"model type {config.model_type!r} is not one it knows ({', '.join(SUPPORTED_MODEL_TYPES)})"
     text_config = config.get_text_config()
     attn = getattr(text_config, "_attn_implementation", None) or getattr(config, "_attn_implementation", None)
@@ -82,7 +76,7 @@ def unsupported_reason(model: torch.nn.Module, compute_aux_loss: bool = False, *
     layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
     if not layer_types <= {"full_attention", "sliding_attention"}:
         return f"layer types {sorted(layer_types)} are not handled"
-    if layer_types != {"full_attention"} and config.model_type not in _DICT_MASK_TYPES:
+    if layer_types != {"full_attention"} and not family.dict_mask:
         return f"{config.model_type} with sliding-window layers is not handled"
     if getattr(text_config, "use_bidirectional_attention", False):
         return "bidirectional text attention is not handled"
@@ -98,7 +92,7 @@ def unsupported_reason(model: torch.nn.Module, compute_aux_loss: bool = False, *
     if pixel_values is not None:
         if model_inputs.get("num_images") is None:
             return "pixel_values came without num_images, so rows cannot be matched to their images"
-        if config.model_type in _MROPE_TYPES and (
+        if family.rope == "mrope" and (
             model_inputs.get("image_grid_thw") is None or model_inputs.get("mm_token_type_ids") is None
         ):
             return "Qwen pixel_values came without image_grid_thw / mm_token_type_ids (needed for 3-D positions)"
@@ -231,15 +225,6 @@ def _attention_masks(
     return masks
 
 
-def _image_token_ids(config: Any) -> set[int]:
-    ids = set()
-    for name in ("image_token_id", "image_token_index", "video_token_id"):
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            ids.add(value)
-    return ids
-
-
 def shared_prefix_logps(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -270,7 +255,8 @@ def shared_prefix_logps(
     reason = unsupported_reason(unwrapped_model, compute_aux_loss, **model_inputs)
     if reason is not None:
         raise SharedPrefixUnsupported(reason)
-    core = _core_model(unwrapped_model)
+    core = core_model(unwrapped_model)
+    family = family_of(core)
     config, text_config = core.config, core.config.get_text_config()
     batch, length = input_ids.shape
     num_images = model_inputs.get("num_images")
@@ -279,7 +265,9 @@ def shared_prefix_logps(
         images = ImageLayout.of(model_inputs, images_per_row)
     except LayoutUnknown as error:
         raise SharedPrefixUnsupported(str(error)) from error
-    groups = _find_groups(input_ids, attention_mask, logits_to_keep, model_inputs, images, _image_token_ids(config))
+    groups = _find_groups(
+        input_ids, attention_mask, logits_to_keep, model_inputs, images, family.image_token_ids(config)
+    )
     layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
     attn = getattr(text_config, "_attn_implementation", None) or config._attn_implementation
     prompt_len = length - logits_to_keep
@@ -296,8 +284,8 @@ def shared_prefix_logps(
             if model_inputs.get(name) is not None:
                 inputs[name] = model_inputs[name].reshape(-1)[packed["source"]]
         position_ids = _position_ids(core, packed, inputs, input_ids, attention_mask, prompt_len, refs, model_inputs)
-        gemma3_images = config.model_type == "gemma3" and "token_type_ids" in inputs
-        blocks = _block_ids(inputs["token_type_ids"]) if gemma3_images else None
+        bidirectional = family.bidirectional_image_attention and family.token_type_key in inputs
+        blocks = _block_ids(inputs[family.token_type_key]) if bidirectional else None
         masks = _attention_masks(
             packed["segment"], packed["position"], blocks, layer_types, getattr(text_config, "sliding_window", None)
         )
@@ -338,7 +326,7 @@ def _position_ids(
 ) -> torch.Tensor:  # fmt: skip
     """Each packed token's position in its unpacked row: (rows, T), or (3, rows, T) for Qwen's 3-D rotary."""
     position = packed["position"]
-    if core.config.model_type not in _MROPE_TYPES:
+    if family_of(core).rope != "mrope":
         return position
     if "image_grid_thw" not in inputs:  # text only: the three axes carry the 1-D position
         return position[None].expand(3, -1, -1)
