@@ -41,6 +41,11 @@ def parse_args(argv=None):
     p.add_argument("--image_size", type=int, default=448)
     p.add_argument("--load_in_4bit", action="store_true")
     p.add_argument("--no_merge", action="store_true", help="generate with LoRA unmerged")
+    p.add_argument(
+        "--no_grouped_attention",
+        action="store_true",
+        help="decode with transformers' sdpa (key/value heads copied per query head), the earlier path",
+    )
     p.add_argument("--checkpoint_dir", default="/tmp/vlm-grpo-bench")
     p.add_argument("--out", default="benchmarks/results/decode-profile")
     return p.parse_args(argv)
@@ -117,6 +122,7 @@ def profile_batch(args, checkpoint, prompts: int) -> dict:
     model = trainer.accelerator.unwrap_model(trainer.model)
     batch = _batch(trainer, args.num_generations)
     generator = trainer.fast_generator
+    generator.grouped_attention = not args.no_grouped_attention
     pad = trainer._tokenizer.pad_token_id
 
     def generate():
@@ -172,7 +178,8 @@ def _markdown(args, env, bandwidth, results) -> str:
     lines = [
         (
             f"{args.model}, {args.image_size}² image per prompt, LoRA r=16 ({'unmerged' if args.no_merge else 'merged'} "
-            f"while generating), {'4-bit' if args.load_in_4bit else 'bf16'}, {args.tokens} new tokens forced"
+            f"while generating), {'4-bit' if args.load_in_4bit else 'bf16'}, {args.tokens} new tokens forced, "
+            f"{'sdpa with copied key/value heads' if args.no_grouped_attention else 'grouped decode attention'}"
         ),
         "",
         (

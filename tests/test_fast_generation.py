@@ -176,3 +176,15 @@ def test_compiled_decode_matches_and_one_graph_serves_several_prompt_lengths(tin
         batch = _batch(trainer, [row], 2)
         assert _fast(trainer, batch) == _plain(trainer, batch, 2)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_lora_bias_is_not_merged_away(tiny_dir):
+    # Merging disables the adapters for the block; a LoRA bias would go with them, so such adapters generate unmerged.
+    model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    model = FastVisionModel.get_peft_model(model, r=4, lora_bias=True)
+    torch.manual_seed(0)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.5)  # weights and biases: a trained-looking adapter
+    with merged_lora(model) as merged:
+        assert not merged

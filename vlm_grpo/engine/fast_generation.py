@@ -42,6 +42,7 @@ from ..private_api import (
     prepare_generation,
 )
 from .batch_layout import ImageLayout, LayoutUnknown, as_tensors, group_rows, select_rows
+from .decode_attention import decode_attention
 from .quantized_generation import (
     QuantizedGenerationUnsupported,
     QuantizedLayers,
@@ -99,8 +100,13 @@ def merged_lora(model: nn.Module) -> Iterator[bool]:
     mergeable = bool(layers) and hasattr(model, "disable_adapter")
     for layer in layers:
         base = layer.get_base_layer()
-        if type(base) is not nn.Linear or any(getattr(layer, "use_dora", {}).values()):
-            mergeable = False  # another layer type, or DoRA: generate unmerged
+        variants = (getattr(layer, "use_dora", {}), getattr(layer, "lora_bias", {}), getattr(layer, "lora_variant", {}))
+        if (
+            type(base) is not nn.Linear
+            or getattr(layer, "fan_in_fan_out", False)
+            or any(any(v.values()) if isinstance(v, dict) else v for v in variants)
+        ):
+            mergeable = False  # another layer type, DoRA, a LoRA bias (lost with the adapter disabled): unmerged
             break
     if not mergeable:
         yield False
@@ -113,8 +119,9 @@ def merged_lora(model: nn.Module) -> Iterator[bool]:
             if not active or layer.disable_adapters:
                 continue
             saved.append((weight, weight.detach().clone()))
-            for name in active:
-                weight.add_(layer.get_delta_weight(name).to(weight.dtype))
+            for name in active:  # W += scaling * (B @ A): PEFT's delta for a Linear base, in one kernel
+                lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
+                weight.addmm_(lora_b.to(weight.dtype), lora_a.to(weight.dtype), alpha=layer.scaling[name])
     try:
         with model.disable_adapter():
             yield True
@@ -137,6 +144,7 @@ class FastGenerator:
         compile: compile the decode step (a CUDA graph); None: on CUDA only (compiling on CPU costs more than
             it saves for the tiny models used there).
         merge_lora: merge LoRA into the 16-bit base weights while generating (exactly restored afterwards).
+        grouped_attention: decode with `engine.decode_attention` (grouped-query heads read the KV cache in place).
         quantized: how bitsandbytes 4-bit / 8-bit layers generate ("auto", "copy" or "light"; see
             `vlm_grpo.engine.quantized_generation`): plain stand-ins, so the decode step compiles like a 16-bit model's.
         cache_bucket: the static cache length is rounded up to a multiple of this, so prompts of different
@@ -146,6 +154,7 @@ class FastGenerator:
     compile: bool | None = None
     merge_lora: bool = True
     quantized: str = "auto"
+    grouped_attention: bool = True
     cache_bucket: int = 256
     stats: dict[str, int] = field(default_factory=lambda: {"calls": 0, "rows": 0, "prefill_rows": 0, "decode_steps": 0})
     _caches: dict[tuple[int, int], Any] = field(default_factory=dict, repr=False)
@@ -291,24 +300,26 @@ class FastGenerator:
         logits = out.logits[:, -1].to(dtype=torch.float32).index_select(0, index)
         unfinished = torch.ones(batch, dtype=torch.bool, device=device)
         steps = 0
-        for step in range(max_new):
-            with record_function("fast_generation.sample"):
-                scores = processors(tokens[:, : width + step], logits)
-                if config.do_sample:
-                    next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-                else:
-                    next_tokens = scores.argmax(dim=-1)
-                next_tokens = torch.where(unfinished, next_tokens, pad_id)
-                tokens[:, width + step] = next_tokens
-                unfinished &= ~torch.isin(next_tokens, eos)
-            steps = step + 1
-            if step + 1 == max_new or (step % 8 == 7 and not bool(unfinished.any())):
-                break
-            full_mask[:, width + step] = 1
-            position = position + 1
-            slot = slot + 1  # stays on the device: no host-to-device copy per step
-            with record_function("fast_generation.forward"):
-                logits = forward(next_tokens[:, None], position, slot, full_mask, cache)
+        # Grouped-query heads attend to the cache as it is (`engine.decode_attention`), not to a per-head copy.
+        with decode_attention(model) if self.grouped_attention else contextlib.nullcontext():
+            for step in range(max_new):
+                with record_function("fast_generation.sample"):
+                    scores = processors(tokens[:, : width + step], logits)
+                    if config.do_sample:
+                        next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+                    else:
+                        next_tokens = scores.argmax(dim=-1)
+                    next_tokens = torch.where(unfinished, next_tokens, pad_id)
+                    tokens[:, width + step] = next_tokens
+                    unfinished &= ~torch.isin(next_tokens, eos)
+                steps = step + 1
+                if step + 1 == max_new or (step % 8 == 7 and not bool(unfinished.any())):
+                    break
+                full_mask[:, width + step] = 1
+                position = position + 1
+                slot = slot + 1  # stays on the device: no host-to-device copy per step
+                with record_function("fast_generation.forward"):
+                    logits = forward(next_tokens[:, None], position, slot, full_mask, cache)
         self.stats["decode_steps"] += steps
 
         completions = tokens[:, width : width + steps]
