@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlm_grpo.engine.batch_layout import ImageLayout, LayoutUnknown, group_rows, select_rows
+from vlm_grpo.engine.batch_layout import ImageLayout, LayoutUnknown, distinct_prompts, group_rows, select_rows
 from vlm_grpo.processor import load_processor
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "idefics3"]
@@ -69,3 +69,39 @@ def test_group_rows_without_images_groups_by_prompt():
 def test_a_layout_it_cannot_split_is_refused_by_name():
     with pytest.raises(LayoutUnknown, match="not a known layout"):
         ImageLayout.of({"pixel_values": torch.zeros(3, 3, 8, 8)}, [1, 1])  # 3 entries, 2 images, 2 rows
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tokenising_each_distinct_prompt_once_gives_what_trl_gives_for_every_row(tiny_dir, tmp_path, family):
+    from datasets import Dataset
+    from trl import GRPOTrainer
+    from trl.data_utils import prepare_multimodal_messages
+
+    from vlm_grpo.model import FastVisionModel
+    from vlm_grpo.rows import prepare_row
+    from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+
+    model, processor = FastVisionModel.from_pretrained(tiny_dir(family))
+    model = FastVisionModel.get_peft_model(model, r=4)
+    rows = [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}],
+             "images": [_image(seed)]} for seed in (0, 1)]  # fmt: skip
+    rows.append({"prompt": [{"role": "user", "content": [{"type": "text", "text": "no image"}]}], "images": []})
+    args = VLMGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=9, num_generations=3,
+                         max_completion_length=4, report_to="none", use_cpu=True)  # fmt: skip
+    trainer = VLMGRPOTrainer(model, [lambda prompts, completions, **kw: [0.0] * len(completions)], args=args,
+                             train_dataset=Dataset.from_list(rows), processing_class=processor)  # fmt: skip
+    # As TRL's sampler hands them over: each prompt three times, shuffled, with freshly decoded (distinct) images.
+    order = [2, 0, 1, 0, 2, 1, 1, 0, 2]
+    prepared = [prepare_row({**rows[i], "images": [_image(s) for s in ((0,), (1,), ())[i]]}) for i in order]
+    prompts = [prepare_multimodal_messages(r["prompt"], images=r["images"]) for r in prepared]
+    assert distinct_prompts(prompts) == ([0, 1, 2], [0, 1, 2, 1, 0, 2, 2, 1, 0])  # the processor runs on 3 rows
+    ids, images, fields = trainer._tokenize_prompts(prompts)
+    trl_ids, trl_images, trl_fields = GRPOTrainer._tokenize_prompts(trainer, prompts)
+    assert ids == trl_ids and [len(i or []) for i in images] == [len(i or []) for i in trl_images]
+    assert fields.keys() == trl_fields.keys()
+    for key, value in fields.items():
+        expected = trl_fields[key]
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, torch.as_tensor(np.asarray(expected))), key
+        else:
+            assert value == expected, key

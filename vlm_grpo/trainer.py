@@ -10,6 +10,8 @@ overrides only these hooks:
 - `_generate_and_score_completions`: images loaded from any format, normalised, fitted to the pixel
   budget (`vlm_grpo.pixel_budget`) and given as `images` lists; plain-string prompts with images turned
   into chat messages.
+- `_tokenize_prompts`: each distinct prompt tokenised and its images processed once, the outputs repeated for its
+  group (TRL processes every repeated row).
 - `_generate`: text-only rows in a batch with images get `[]` images (TRL's None breaks the processor).
 - `_calculate_rewards`: rows whose prompt was a string reach the rewards as strings again.
 - `_generate_single_turn`: the model switched to inference mode for generation and back after; completions
@@ -40,6 +42,7 @@ from .compat import (
     is_checkpointing,
     quiet_third_party_checkpointing_deprecations,
 )
+from .engine.batch_layout import distinct_prompts, select_rows
 from .engine.fast_generation import FastGenerator, FastPathUnavailable
 from .engine.quantized_generation import QUANTIZED_MODES
 from .engine.sharded import full_weights
@@ -382,6 +385,19 @@ class VLMGRPOTrainer(GRPOTrainer):
         inputs = add_image_sizes(inputs, self.processing_class)  # grounding rewards map boxes back
         with quiet_third_party_checkpointing_deprecations():  # TRL's step reads transformers' old checkpointing name
             return super()._generate_and_score_completions(inputs)
+
+    def _tokenize_prompts(self, prompts: list):
+        # TRL repeats every prompt num_generations times; the processor (tokenizer and image processor, on the CPU)
+        # runs once per distinct prompt and its outputs are repeated (`engine.batch_layout`): the same ids and tensors.
+        distinct = distinct_prompts(prompts) if self.environment_factories is None else None
+        if distinct is None or len(distinct[0]) == len(prompts):
+            return super()._tokenize_prompts(prompts)
+        unique, inverse = distinct
+        prompt_ids, images, fields = super()._tokenize_prompts([prompts[row] for row in unique])
+        images_per_row = [len(row or []) for row in images] if images is not None else [0] * len(unique)
+        fields = select_rows(fields, images_per_row, inverse)
+        images = [images[i] for i in inverse] if images is not None else None
+        return [prompt_ids[i] for i in inverse], images, fields
 
     def _generate(self, prompts: list):
         # TRL marks a text-only row's images None even in a batch whose other rows have images (vLLM wants that), and

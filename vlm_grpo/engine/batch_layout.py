@@ -11,10 +11,13 @@ packs each group into one row. Both ask the same two questions of a batch, answe
    `ImageLayout` records each row's ranges along dim 0, whatever the layout.
 2. **Which rows are a group?** Rows with the same prompt tokens *and the same images*, where the same images means
    identical pixels as the processor fed them (what the model sees), compared as tensors. Rows may come shuffled.
+   Before processing, `prompt_key` tells repeated chat prompts apart by their text and their images' pixels, so the
+   processor can run once per distinct prompt (`distinct_prompts`; `select_rows` then repeats its outputs).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["ImageLayout", "LayoutUnknown", "as_tensors", "group_rows", "select_rows"]
+__all__ = ["ImageLayout", "LayoutUnknown", "as_tensors", "distinct_prompts", "group_rows", "prompt_key", "select_rows"]
 
 # Processor outputs with one entry per image (Qwen's image_grid_thw, Gemma 3's pixel_values, LLaVA's image_sizes).
 _PER_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_sizes")
@@ -150,7 +153,7 @@ def as_tensors(fields: dict[str, Any]) -> dict[str, Any]:
 
 
 def select_rows(fields: dict[str, Any], images_per_row: Sequence[int], rows: Sequence[int]) -> dict[str, Any]:
-    """The processor outputs (as TRL's `_tokenize_prompts` returns them) of a subset of rows.
+    """The processor outputs (as TRL's `_tokenize_prompts` returns them) of `rows`, in that order (a row may repeat).
 
     Vision tensors are sliced by their `ImageLayout`; other per-row tensors by row, per-token lists
     (`mm_token_type_ids`, `token_type_ids`) row by row.
@@ -171,3 +174,60 @@ def select_rows(fields: dict[str, Any], images_per_row: Sequence[int], rows: Seq
         else:
             raise LayoutUnknown(f"Cannot tell how {key!r} of shape {tuple(value.shape)} splits over {n_rows} rows.")
     return out
+
+
+def _image_key(image: Any) -> bytes | None:
+    """A digest of a PIL image's pixels (equal pixels, equal keys); None for anything else."""
+    if not (hasattr(image, "tobytes") and hasattr(image, "size") and hasattr(image, "mode")):
+        return None
+    return hashlib.blake2b(f"{image.mode}{image.size}".encode() + image.tobytes(), digest_size=16).digest()
+
+
+def prompt_key(prompt: Any) -> Hashable | None:
+    """A key equal for chat prompts with the same messages and pixel-identical PIL images; None when a part is of a
+    kind it cannot compare (the caller then treats the prompt as distinct).
+
+    >>> prompt_key([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    (('user', (('text', 'hi'),)),)
+    """
+    if isinstance(prompt, str):
+        return prompt
+    key = []
+    for message in prompt:
+        content = message.get("content")
+        if isinstance(content, str):
+            key.append((message.get("role"), content))
+            continue
+        parts = []
+        for part in content or []:
+            if part.get("type") == "image":
+                digest = _image_key(part.get("image"))
+                if digest is None:
+                    return None
+                parts.append(("image", digest))
+            elif part.get("type") == "text" and isinstance(part.get("text"), str) and set(part) <= {"type", "text"}:
+                parts.append(("text", part["text"]))
+            else:
+                return None
+        key.append((message.get("role"), tuple(parts)))
+    return tuple(key)
+
+
+def distinct_prompts(prompts: Sequence[Any]) -> tuple[list[int], list[int]] | None:
+    """`(unique, inverse)` over chat prompts by `prompt_key`: the first row of each distinct prompt, and for every row
+    the position of its prompt in `unique`. None when a prompt holds a part `prompt_key` cannot compare.
+
+    >>> distinct_prompts(["a", "b", "a"])
+    ([0, 1], [0, 1, 0])
+    """
+    keys = [prompt_key(prompt) for prompt in prompts]
+    if any(key is None for key in keys):
+        return None
+    positions: dict[Hashable, int] = {}
+    unique, inverse = [], []
+    for row, key in enumerate(keys):
+        if key not in positions:
+            positions[key] = len(unique)
+            unique.append(row)
+        inverse.append(positions[key])
+    return unique, inverse
