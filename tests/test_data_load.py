@@ -26,9 +26,10 @@ def test_easyr1_layout_becomes_chat_rows_with_images_where_the_placeholder_is(tm
     row = train[1]
     assert row["prompt"][0] == {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}
     assert row["prompt"][1]["content"] == [
-        {"type": "text", "text": "Look:"}, {"type": "image", "text": None},
-        {"type": "text", "text": "How many? 1 Answer in <answer></answer>."},
-    ]  # fmt: skip
+        {"type": "text", "text": "Look: "},
+        {"type": "image", "text": None},
+        {"type": "text", "text": " How many? 1 Answer in <answer></answer>."},
+    ]  # fmt: skip  (the text around a placeholder as written: vlm_grpo.prompts, EasyR1's split)
     assert row["images"][0].size == (16, 16) and row["answer"] == "1"
     check_dataset(train)  # what the trainer accepts
 

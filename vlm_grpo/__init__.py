@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "FastBaseVisionModel": "vlm_grpo.model",
     "FastVisionModel": "vlm_grpo.model",
-    "VLMGRPOConfig": "vlm_grpo.trainer",
+    "VLMGRPOConfig": "vlm_grpo.config",
     "VLMGRPOTrainer": "vlm_grpo.trainer",
     "build_tiny_vlm": "vlm_grpo.tiny",
     "evaluate": "vlm_grpo.evaluation",

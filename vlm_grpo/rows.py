@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from PIL import Image
 
 from .images import ImageError, load_image, load_rgb_images
+from .prompts import IMAGE_COLUMNS, IMAGE_PLACEHOLDER, image_column, user_content
 
 if TYPE_CHECKING:
     from .pixel_budget import PixelBudget
@@ -40,9 +41,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-IMAGE_COLUMNS = ("image", "images")
-# Where a string prompt puts an image (LLaVA, EasyR1 / ms-swift datasets such as geometry3k's `problem`).
-IMAGE_PLACEHOLDER = "<image>"
 # Column names that mean images, for the "rename it" error (columns holding images are found by their values too).
 _IMAGE_LIKE_NAMES = (
     "img", "imgs", "picture", "pictures", "photo", "photos", "pixel_values", "image_path", "image_paths", "image_file",
@@ -183,8 +181,8 @@ def check_dataset(
         )
     if "image" in columns and "images" in columns:
         raise ValueError(f"{name} has both `image` and `images` columns; keep one (`images` for several per row).")
-    image_column = next((c for c in IMAGE_COLUMNS if c in columns), None)
-    if image_column is None:
+    column = image_column(columns)
+    if column is None:
         _refuse_misnamed_image_column(dataset, columns, name)
     if not hasattr(dataset, "__len__"):
         return dataset, SkippedRows()
@@ -192,24 +190,24 @@ def check_dataset(
         raise ValueError(f"{name} is empty: GRPO needs at least one prompt.")
 
     raw = dataset
-    if image_column is not None:
+    if column is not None:
         # Read images undecoded ({"bytes", "path"}), so a corrupt file is our error to report, not a crash in datasets.
         from datasets import Image as ImageFeature
         from datasets import Sequence
 
-        feature = dataset.features.get(image_column)
+        feature = dataset.features.get(column)
         if isinstance(feature, ImageFeature):
-            raw = dataset.cast_column(image_column, ImageFeature(decode=False))
+            raw = dataset.cast_column(column, ImageFeature(decode=False))
         elif isinstance(feature, Sequence) and isinstance(feature.feature, ImageFeature):
-            raw = dataset.cast_column(image_column, Sequence(ImageFeature(decode=False)))
+            raw = dataset.cast_column(column, Sequence(ImageFeature(decode=False)))
         elif isinstance(feature, list) and feature and isinstance(feature[0], ImageFeature):
-            raw = dataset.cast_column(image_column, [ImageFeature(decode=False)])
+            raw = dataset.cast_column(column, [ImageFeature(decode=False)])
 
     skipped = SkippedRows()
-    read_columns = ["prompt"] + ([image_column] if image_column else [])
+    read_columns = ["prompt"] + ([column] if column else [])
     for index, row in enumerate(raw.select_columns(read_columns)):
         images = row_images(row)
-        if image_column is None and (count_image_placeholders(row["prompt"]) or _string_placeholders(row["prompt"])):
+        if column is None and (count_image_placeholders(row["prompt"]) or _string_placeholders(row["prompt"])):
             raise ValueError(
                 f"{name} row {index}: the prompt has image placeholders but the dataset has no `image` or `images` "
                 f"column (columns: {columns}). Add the images as an `image` (one) or `images` (list) column."
@@ -252,7 +250,7 @@ def prepare_row(row: dict[str, Any], budget: PixelBudget | None = None) -> dict[
     none. The row's own prompt, image column and image sizes are kept for `rows_for_rewards` and
     `source_image_sizes`. Rows without an image column are returned unchanged.
     """
-    column = next((c for c in IMAGE_COLUMNS if c in row), None)
+    column = image_column(row)
     if column is None:
         return dict(row)
     value = row[column]
@@ -265,7 +263,7 @@ def prepare_row(row: dict[str, Any], budget: PixelBudget | None = None) -> dict[
     if isinstance(row.get("prompt"), str):
         # Done for every row of a dataset with an image column (text-only rows too) so a batch never mixes strings
         # and chats.
-        row["prompt"] = [{"role": "user", "content": _place_images(row["prompt"])}]
+        row["prompt"] = [{"role": "user", "content": user_content(row["prompt"])}]
     return row
 
 
@@ -274,19 +272,6 @@ def source_image_sizes(row: dict[str, Any]) -> list[tuple[int, int]] | None:
     resizing), recorded when the row was prepared; None for a row `prepare_row` did not prepare."""
     source = row.get(_SOURCE)
     return None if source is None else source["image_sizes"]
-
-
-def _place_images(prompt: str) -> str | list[dict[str, str]]:
-    """A string prompt as user content: image blocks at its `<image>` placeholders (EasyR1's split), or the string."""
-    if IMAGE_PLACEHOLDER not in prompt:
-        return prompt  # TRL puts the row's images before the text
-    content: list[dict[str, str]] = []
-    for i, text in enumerate(prompt.split(IMAGE_PLACEHOLDER)):
-        if i:
-            content.append({"type": "image"})
-        if text:
-            content.append({"type": "text", "text": text})
-    return content
 
 
 def rows_for_rewards(

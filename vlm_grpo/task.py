@@ -26,6 +26,7 @@ from .data import answer_words, make_visual_reasoning_dataset
 from .data.load import DatasetError, load_grpo_dataset
 from .data.tasks import check_task
 from .demo import DEMO
+from .prompts import apply_template, with_system
 from .reward_checks import reward_name
 from .rewards import BatchReward, RewardFunc, answer_accuracy, iou, make_choice_reward, reward_columns
 
@@ -190,11 +191,8 @@ def _edit_prompts(dataset: Any, system_prompt: str | None, template: str | None)
 
     def edit(row: dict[str, Any]) -> dict[str, Any]:
         messages = [dict(m) for m in row["prompt"]]
-        if template:
-            messages[-1]["content"] = template.replace("{prompt}", messages[-1]["content"])
-        if system_prompt:
-            messages.insert(0, {"role": "system", "content": system_prompt})
-        return {"prompt": messages}
+        messages[-1]["content"] = apply_template(messages[-1]["content"], template)
+        return {"prompt": with_system(messages, system_prompt)}
 
     datasets.disable_progress_bars()  # a quick map of generated rows is not worth a bar
     try:

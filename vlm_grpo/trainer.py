@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,15 +41,14 @@ from .compat import (
     is_checkpointing,
     quiet_third_party_checkpointing_deprecations,
 )
+from .config import VLMGRPOConfig
 from .engine.batch_layout import distinct_prompts, select_rows
 from .engine.fast_generation import FastGenerator, FastPathUnavailable
-from .engine.quantized_generation import QUANTIZED_MODES
 from .engine.sharded import full_weights
 from .engine.sharded import unsupported_reason as sharded_unsupported_reason
 from .engine.shared_prefix import SharedPrefixUnsupported, shared_prefix_logps
 from .hooks import enable_requires_grad_hooks
 from .image_sizes import add_image_sizes
-from .images import check_pixel_budget
 from .integrations.unsloth import maybe_patch_for_model
 from .model import FastBaseVisionModel
 from .modes import checkpointing_mode, generating, set_checkpointing
@@ -62,123 +60,6 @@ from .rows import check_dataset, prepare_row, rows_for_rewards
 __all__ = ["VLMGRPOConfig", "VLMGRPOTrainer"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class VLMGRPOConfig(GRPOConfig):
-    """`trl.GRPOConfig` with VLM defaults and the image pixel budget.
-
-    Differences from TRL's defaults: `beta=0.04` (KL-regularised: the reference is the base model with
-    the adapter disabled for PEFT models, so it costs no second copy of the weights); `bf16` chosen from
-    the hardware (TRL's default of True fails on CPU); non-reentrant gradient checkpointing.
-    """
-
-    beta: float = field(
-        default=0.04,
-        metadata={"help": "KL coefficient against the reference model. 0.04 (the GRPO paper's) keeps the policy near "
-                  "the base model, which guards small-group runs against collapsing to one answer."},
-    )  # fmt: skip
-    bf16: bool | None = field(
-        default=None,
-        metadata={"help": "bf16 mixed precision. None: on when the GPU supports bf16, off otherwise (CPU)."},
-    )
-    if CHECKPOINTING_ARG == "activation_checkpointing":
-        # transformers >= 5.2x: `activation_checkpointing*`, with `gradient_checkpointing*` its deprecated aliases.
-        # TRL's default (`gradient_checkpointing=True`) set the alias, which warned on every config; ours leaves the
-        # aliases unset and resolves None to the same defaults under the new names, so a user who does set an alias
-        # still gets transformers' warning and their value.
-        activation_checkpointing: bool | None = field(
-            default=None,
-            metadata={"help": "Recompute activations in the backward pass to save memory (~20%% slower). None: on "
-                      "(TRL's default).", "nargs": "?", "const": True},
-        )  # fmt: skip
-        activation_checkpointing_kwargs: dict[str, Any] | str | None = field(
-            default=None,
-            metadata={"help": "Passed to `activation_checkpointing_enable`. None: {'use_reentrant': False}, "
-                      "PyTorch's recommendation."},
-        )  # fmt: skip
-        gradient_checkpointing: bool | None = field(
-            default=None,
-            metadata={"help": "Deprecated alias of `activation_checkpointing`.", "nargs": "?", "const": True},
-        )
-        gradient_checkpointing_kwargs: dict[str, Any] | str | None = field(
-            default=None, metadata={"help": "Deprecated alias of `activation_checkpointing_kwargs`."}
-        )
-    else:  # transformers < 5.2x: TRL's `gradient_checkpointing=True`, non-reentrant
-        gradient_checkpointing_kwargs: dict[str, Any] | str | None = field(
-            default_factory=lambda: {"use_reentrant": False},
-            metadata={"help": "Passed to `gradient_checkpointing_enable`. Non-reentrant is PyTorch's recommendation."},
-        )
-    min_pixels: int | None = field(
-        default=None,
-        metadata={"help": "Smallest image area (pixels) the model is fed; smaller images are upscaled. Qwen2/2.5/3-VL: "
-                  "written into the processor's own budget (size['shortest_edge']), replacing its value (logged). "
-                  "None: the processor's own (Qwen-VL, e.g. from FastVisionModel.from_pretrained(min_pixels=...)), "
-                  "else no lower bound."},
-    )  # fmt: skip
-    max_pixels: int | None = field(
-        default=None,
-        metadata={"help": "Largest image area (pixels) the model is fed; larger images are downscaled, aspect ratio "
-                  "kept. Qwen2/2.5/3-VL: written into the processor's own budget (size['longest_edge']), replacing "
-                  "its value (logged), so it bounds the image tokens. Gemma 3 / Idefics3 resize images to their own "
-                  "input size after it, so there it bounds detail, not tokens. None: the processor's own (Qwen-VL), "
-                  "else no bound."},
-    )  # fmt: skip
-    check_images: bool = field(
-        default=True,
-        metadata={"help": "Decode every dataset image once before training, so corrupt files surface up front."},
-    )
-    skip_bad_rows: bool = field(
-        default=True,
-        metadata={"help": "Drop rows whose images cannot be read (logged and counted in `trainer.skipped_rows`). "
-                  "False: raise instead."},
-    )  # fmt: skip
-    fast_generation: bool = field(
-        default=True,
-        metadata={"help": "Generate with vlm_grpo.engine.fast_generation: one prefill per prompt group, a static KV cache and "
-                  "a compiled decode step (same tokens as the plain path). False: TRL's `model.generate` path. "
-                  "Ignored with use_vllm."},
-    )  # fmt: skip
-    fast_generation_compile: bool | None = field(
-        default=None,
-        metadata={"help": "Compile the decode step into a CUDA graph (paid once per run). None: on CUDA, off on CPU "
-                  "and for sharded (FSDP2 / ZeRO-3) models, whose weights are gathered afresh for every generation."},
-    )  # fmt: skip
-    fast_generation_merge_lora: bool = field(
-        default=True,
-        metadata={"help": "Merge LoRA into the 16-bit base weights while generating (restored bit-exactly after; costs "
-                  "one copy of the adapted weights in memory). 4-bit / 8-bit bases: see fast_generation_quantized."},
-    )  # fmt: skip
-    fast_generation_quantized: str = field(
-        default="auto",
-        metadata={"help": "How bitsandbytes 4-bit / 8-bit layers generate on the fast path. 'copy': a 16-bit copy of "
-                  "the weights with LoRA merged, refreshed every generation (16-bit speed; +2 bytes per quantised "
-                  "weight, ~6 GiB for a 3B model). 'light': each layer dequantised as it runs, LoRA unmerged (about "
-                  "one layer's memory; slower). 'auto': 'copy' when it fits with a quarter of the GPU left for "
-                  "training, else 'light' (logged).", "choices": list(QUANTIZED_MODES)},
-    )  # fmt: skip
-    shared_prefix: bool = field(
-        default=True,
-        metadata={"help": "Compute each group's prompt and images once when scoring and training (the G completions "
-                  "of a prompt packed into one row that attends to it; same log-probs and gradients). Models or "
-                  "settings it cannot serve (e.g. FlashAttention) fall back to TRL's per-row forward, logged once."},
-    )  # fmt: skip
-
-    def __post_init__(self) -> None:
-        if CHECKPOINTING_ARG == "activation_checkpointing":
-            if self.activation_checkpointing is None and self.gradient_checkpointing is None:
-                self.activation_checkpointing = True
-            if self.activation_checkpointing_kwargs is None and self.gradient_checkpointing_kwargs is None:
-                self.activation_checkpointing_kwargs = {"use_reentrant": False}
-        if self.bf16 is None:
-            self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()) and not self.fp16
-        check_pixel_budget(self.min_pixels, self.max_pixels)
-        if self.fast_generation_quantized not in QUANTIZED_MODES:
-            raise ValueError(
-                f"fast_generation_quantized must be one of {', '.join(QUANTIZED_MODES)}, "
-                f"got {self.fast_generation_quantized!r}."
-            )
-        super().__post_init__()
 
 
 def _check_trl_device_support(device: torch.device) -> None:

@@ -14,13 +14,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..prompts import IMAGE_COLUMNS, IMAGE_PLACEHOLDER, apply_template, user_content, with_system
+from ..prompts import image_column as prompt_image_column
+
 __all__ = ["DatasetError", "load_grpo_dataset", "load_split", "to_grpo_rows"]
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 PROMPT_COLUMNS = ("prompt", "problem", "question", "query")
-IMAGE_COLUMNS = ("images", "image")
 ANSWER_COLUMNS = ("answer", "solution", "ground_truth")
-IMAGE_PLACEHOLDER = "<image>"
 
 
 class DatasetError(ValueError):
@@ -113,27 +114,19 @@ def _find(columns: list[str], given: str | None, candidates: tuple[str, ...], fl
 
 
 def _messages(text: str, n_images: int, system_prompt: str | None, template: str | None) -> list[dict[str, Any]]:
-    if template:
-        text = template.replace("{prompt}", text)
-    parts = text.split(IMAGE_PLACEHOLDER)
-    if len(parts) == 1:  # no placeholder: the images go before the question, as TRL places them
-        content = [{"type": "image", "text": None}] * n_images + [{"type": "text", "text": text}]
-    elif len(parts) - 1 != n_images:
+    text = apply_template(text, template)
+    placeholders = text.count(IMAGE_PLACEHOLDER)
+    if placeholders and placeholders != n_images:
         raise DatasetError(
-            f"a prompt has {len(parts) - 1} {IMAGE_PLACEHOLDER} placeholder(s) but its row has {n_images} image(s): "
+            f"a prompt has {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) but its row has {n_images} image(s): "
             f"{text[:80]!r}. Make them match."
         )
-    else:
-        content = []
-        for i, part in enumerate(parts):
-            if i:
-                content.append({"type": "image", "text": None})
-            if part.strip():
-                content.append({"type": "text", "text": part.strip()})
-    messages = [{"role": "user", "content": content}]
-    if system_prompt:
-        messages.insert(0, {"role": "system", "content": [{"type": "text", "text": system_prompt}]})
-    return messages
+    content = user_content(text, n_images)
+    if isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    # Arrow stores a list of blocks as one struct type: image blocks carry the text key too (as None).
+    content = [{"type": block["type"], "text": block.get("text")} for block in content]
+    return with_system([{"role": "user", "content": content}], system_prompt)
 
 
 def to_grpo_rows(
@@ -158,7 +151,12 @@ def to_grpo_rows(
     prompt = _find(columns, prompt_column, PROMPT_COLUMNS, "--prompt_column")
     if prompt is None:
         raise DatasetError(f"no prompt column among {', '.join(columns)}; name it with --prompt_column.")
-    image = _find(columns, image_column, IMAGE_COLUMNS, "--image_column")
+    if image_column is None:
+        try:
+            image_column = prompt_image_column(columns)
+        except ValueError as error:
+            raise DatasetError(f"{error} Or name the one to use with --image_column.") from None
+    image = _find(columns, image_column, (), "--image_column")
     answer = _find(columns, answer_column, ANSWER_COLUMNS, "--answer_column")
     if prompt_template is not None and "{prompt}" not in prompt_template:
         raise DatasetError("--prompt_template must contain {prompt}, where the question goes.")
@@ -195,16 +193,8 @@ def to_grpo_rows(
     elif prompt_template is not None:
         raise DatasetError("--prompt_template applies to string prompts; this dataset's prompts are chat messages.")
     elif system_prompt:
-        dataset = dataset.map(lambda row: {"prompt": _with_system(row["prompt"], system_prompt)}, desc="system prompt")
+        dataset = dataset.map(lambda row: {"prompt": with_system(row["prompt"], system_prompt)}, desc="system prompt")
     return dataset
-
-
-def _with_system(messages: list[dict[str, Any]], system_prompt: str) -> list[dict[str, Any]]:
-    if messages and messages[0].get("role") == "system":
-        return messages
-    structured = any(isinstance(m.get("content"), list) for m in messages)
-    content = [{"type": "text", "text": system_prompt}] if structured else system_prompt
-    return [{"role": "system", "content": content}, *messages]
 
 
 def load_grpo_dataset(

@@ -1,0 +1,54 @@
+"""`vlm_grpo.prompts`: the one set of rules the trainer's rows, dataset loading and the synthetic tasks share."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from PIL import Image
+
+from vlm_grpo.data.load import DatasetError, load_grpo_dataset
+from vlm_grpo.prompts import apply_template, image_column, user_content, with_system
+from vlm_grpo.rows import prepare_row
+
+
+def test_placeholders_place_the_images_and_keep_the_text_as_written():
+    assert user_content("<image>Find x.") == [{"type": "image"}, {"type": "text", "text": "Find x."}]
+    assert user_content("a <image> b <image>") == [
+        {"type": "text", "text": "a "}, {"type": "image"}, {"type": "text", "text": " b "}, {"type": "image"},
+    ]  # fmt: skip
+    assert user_content("no placeholder", n_images=2) == [{"type": "image"}] * 2 + [
+        {"type": "text", "text": "no placeholder"}
+    ]
+    assert user_content("text only") == "text only"
+
+
+def test_the_trainer_rows_and_the_loader_build_the_same_user_content(tmp_path):
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    (tmp_path / "d.jsonl").write_text(json.dumps({"problem": "Look: <image> how many?", "answer": "1",
+                                                  "images": ["a.png"]}) + "\n")  # fmt: skip
+    train, _ = load_grpo_dataset(str(tmp_path / "d.jsonl"))
+    loaded = [{k: v for k, v in block.items() if v is not None} for block in train[0]["prompt"][0]["content"]]
+    prepared = prepare_row({"prompt": "Look: <image> how many?", "images": [Image.new("RGB", (8, 8))]})
+    assert loaded == prepared["prompt"][0]["content"]
+
+
+def test_a_system_prompt_goes_first_once_in_the_messages_style():
+    chat = [{"role": "user", "content": "hi"}]
+    assert with_system(chat, "Be brief.") == [{"role": "system", "content": "Be brief."}, *chat]
+    blocks = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    assert with_system(blocks, "Be brief.")[0]["content"] == [{"type": "text", "text": "Be brief."}]
+    already = with_system(chat, "first")
+    assert with_system(already, "second") == already and with_system(chat, None) == chat
+    assert apply_template("2+2?", "{prompt} Answer in <answer></answer>.") == "2+2? Answer in <answer></answer>."
+
+
+def test_both_image_columns_are_refused_not_guessed(tmp_path):
+    with pytest.raises(ValueError, match="both an `image` and an `images` column"):
+        image_column(["prompt", "image", "images"])
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "<image>?", "image": "a.png", "images": ["a.png"]}) + "\n")
+    with pytest.raises(DatasetError, match="--image_column"):
+        load_grpo_dataset(str(tmp_path / "d.jsonl"))
+    train, _ = load_grpo_dataset(str(tmp_path / "d.jsonl"), image_column="images")  # named: no guessing needed
+    assert len(train[0]["images"]) == 1
