@@ -97,6 +97,13 @@ def test_help_starts_with_what_the_command_does(tmp_path):
         (["--dataset", "missing/data/train.jsonl"], "no such file"),
         (["--dataset", "nobody/no-such-dataset"], "cannot load"),  # the Hub path, offline here
         (["--per_device_train_batch_size", "3", "--num_generations", "2"], "divisible"),
+        # Abbreviations and misspellings are refused with the flag meant, never applied to whichever flag they prefix.
+        (["--learning_rat", "1e-4"], "unknown flag --learning_rat; did you mean --learning_rate?"),
+        (["--max_stpes=3"], "unknown flag --max_stpes; did you mean --max_steps?"),
+        # Refused before a model is built: torch's optimizer would only fail after the baseline evaluation.
+        (["--learning_rate=-1e-4"], "--learning_rate must be >= 0, got -0.0001"),
+        (["--learning_rate", "-1e-4"], "--learning_rate must be >= 0, got -0.0001"),  # a negative value after a space
+        (["--adam_beta2", "1.5"], "--adam_beta2 must be in [0, 1)"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_status_2_with_nothing_written(tmp_path, capsys, monkeypatch, args, message):
@@ -287,3 +294,17 @@ def test_rewards_reading_columns_the_data_lacks_are_refused_with_nothing_written
     assert main(["--output_dir", str(out), "--accuracy_reward", "no_such_reward"]) == 2
     assert "unknown reward 'no_such_reward'" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_an_output_dir_that_is_a_file_is_refused_and_left_alone(tmp_path, capsys):
+    target = tmp_path / "notes.txt"
+    target.write_text("mine")
+    assert main(["--output_dir", str(target)]) == 2
+    assert "is a file; name a directory" in capsys.readouterr().err
+    assert target.read_text() == "mine"
+
+
+def test_negative_values_reach_the_config_with_or_without_an_equals_sign():
+    for argv in (["--beta", "-0.5"], ["--beta=-0.5"], ["--beta", "-5e-1"]):
+        _, config = parse_args(argv)
+        assert config.beta == -0.5

@@ -9,7 +9,10 @@ get honest help, our options come before the long list of training flags, and `-
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
+import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -152,6 +155,7 @@ def build_parser() -> Any:
     from .trainer import VLMGRPOConfig
 
     parser = TrlParser((ScriptArguments, VLMGRPOConfig), prog=PROG, description=DESCRIPTION)
+    parser.allow_abbrev = False  # `--learning_rat` must be an error, not `--learning_rate`
     parser.formatter_class = _HelpFormatter
     parser.usage = f"{PROG} [--config recipe.yaml] [options]   ({PROG} --help: main options; --help-all: all)"
     parser.set_defaults(**DEMO.training_args())
@@ -205,11 +209,45 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, Any]:
         # later `use_cpu = True` would leave a gloo group that the trainer does not use (each rank training alone).
         # Pinned memory needs an accelerator; torch warns on every epoch.
         parser.set_defaults(use_cpu=True, dataloader_pin_memory=False)
+    argv = _with_negative_values(parser, list(sys.argv[1:] if argv is None else argv))
+    _refuse_unknown_flags(parser, argv)
     try:
         script, config = parser.parse_args_and_config(args=argv)
     except ValueError as error:  # a config's __post_init__ check (e.g. batch size vs num_generations)
         raise UsageError(str(error)) from error
     return script, config
+
+
+# A negative number (`-1e-4`, `-.5`, `-3`): argparse reads `-1e-4` after a flag as another flag.
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
+def _with_negative_values(parser: Any, argv: list[str]) -> list[str]:
+    """`--flag -1e-4` as `--flag=-1e-4`, for flags that take one value, so argparse does not read it as a flag."""
+    out: list[str] = []
+    for token in argv:
+        previous = out[-1] if out else ""
+        action = parser._option_string_actions.get(previous)
+        if action is not None and action.nargs in (None, "?") and _NEGATIVE_NUMBER.match(token):
+            out[-1] = f"{previous}={token}"
+        else:
+            out.append(token)
+    return out
+
+
+def _refuse_unknown_flags(parser: Any, argv: list[str]) -> None:
+    """A flag that is not one of the command's, named with the closest real one (flags are never abbreviated: an
+    abbreviation would silently set whichever flag it prefixes)."""
+    known = set(parser._option_string_actions)
+    for token in argv:
+        if not token.startswith("--"):
+            continue
+        flag = token.split("=", 1)[0]
+        if flag in known:
+            continue
+        near = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+        hint = f"; did you mean {near[0]}?" if near else f" (see {PROG} --help, or --help-all for every flag)"
+        raise UsageError(f"unknown flag {flag}{hint}")
 
 
 def resolve_rewards(names: list[str] | None) -> list[Any]:
@@ -253,9 +291,26 @@ def check_args(script: ScriptArguments, config: Any) -> None:
         check_quantization(script.load_in_4bit, script.load_in_8bit)
     except (ValueError, RuntimeError, ImportError) as error:
         raise UsageError(f"--load_in_{'4' if script.load_in_4bit else '8'}bit: {error}") from error
+    _check_training_values(config)
     funcs = resolve_rewards(script.reward_funcs)
     resolve_rewards([script.accuracy_reward] if script.accuracy_reward else [])
     if config.reward_weights is not None and len(config.reward_weights) != max(len(funcs), 1):
         raise UsageError(
             f"--reward_weights has {len(config.reward_weights)} value(s) for {max(len(funcs), 1)} reward function(s)."
         )
+
+
+def _check_training_values(config: Any) -> None:
+    """Values transformers accepts but the run would fail on later (the optimizer, after the model is built and the
+    baseline evaluated) or that would overwrite something that is not a run directory."""
+    if config.output_dir and os.path.exists(config.output_dir) and not os.path.isdir(config.output_dir):
+        raise UsageError(f"--output_dir {config.output_dir} is a file; name a directory (new or a run's).")
+    if config.learning_rate < 0:
+        raise UsageError(f"--learning_rate must be >= 0, got {config.learning_rate:g}.")
+    if config.weight_decay < 0:
+        raise UsageError(f"--weight_decay must be >= 0, got {config.weight_decay:g}.")
+    if config.adam_epsilon < 0:
+        raise UsageError(f"--adam_epsilon must be >= 0, got {config.adam_epsilon:g}.")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(config, name) < 1:
+            raise UsageError(f"--{name} must be in [0, 1), got {getattr(config, name):g}.")
