@@ -57,6 +57,7 @@ def test_the_trl_attributes_the_trainer_reads_exist(trainer):
     assert missing == []
 
 
+@pytest.mark.trains  # TRL 1.15's fused LM head is a Triton kernel: CUDA only
 def test_trls_fused_lm_head_takes_the_keywords_shared_prefix_passes(trainer):
     model = trainer.accelerator.unwrap_model(trainer.model)
     input_ids = torch.tensor([[1, 2, 3, 4]])
