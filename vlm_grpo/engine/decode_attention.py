@@ -16,6 +16,7 @@ it does not cover (prefill, no grouping, per-head masks, soft-capping, position 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,6 +59,7 @@ def grouped_decode_sdpa(
     return out.reshape(batch, 1, heads, value.shape[-1]), None
 
 
+@functools.cache
 def _register() -> None:
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask

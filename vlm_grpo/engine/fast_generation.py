@@ -4,7 +4,7 @@ TRL repeats every prompt `num_generations` times and hands the whole batch to `m
 compilation disabled: each decode step launches hundreds of small kernels from Python (~85 ms per token
 for a 3B VLM on an H100, where reading the weights takes ~2.5 ms). `FastGenerator` keeps transformers'
 model, its logits processors (temperature, top-k/p, min-p, repetition penalty, suppressed image tokens,
-min_new_tokens) and its position rules, and changes three things:
+min_new_tokens) and its position rules, and changes four things:
 
 1. Identical prompts (same token ids, same image pixels) are prefilled once: the vision tower and the
    prompt run on the unique rows and the KV cache is copied to every completion of the group.
@@ -97,18 +97,7 @@ def merged_lora(model: nn.Module) -> Iterator[bool]:
         for m in model.modules()
         if hasattr(m, "lora_A") and hasattr(m, "get_base_layer") and not is_quantized_linear(m.get_base_layer())
     ]
-    mergeable = bool(layers) and hasattr(model, "disable_adapter")
-    for layer in layers:
-        base = layer.get_base_layer()
-        variants = (getattr(layer, "use_dora", {}), getattr(layer, "lora_bias", {}), getattr(layer, "lora_variant", {}))
-        if (
-            type(base) is not nn.Linear
-            or getattr(layer, "fan_in_fan_out", False)
-            or any(any(v.values()) if isinstance(v, dict) else v for v in variants)
-        ):
-            mergeable = False  # another layer type, DoRA, a LoRA bias (lost with the adapter disabled): unmerged
-            break
-    if not mergeable:
+    if not layers or not hasattr(model, "disable_adapter") or not all(_merges_as_a_delta(layer) for layer in layers):
         yield False
         return
     saved = []
@@ -129,6 +118,17 @@ def merged_lora(model: nn.Module) -> Iterator[bool]:
         with torch.no_grad():
             for weight, original in saved:
                 weight.copy_(original)
+
+
+def _merges_as_a_delta(layer: nn.Module) -> bool:
+    """Whether a LoRA layer is a plain Linear whose adapters are exactly `W + scaling * B @ A`: not DoRA or another
+    variant, no LoRA bias (it would be lost with the adapters disabled), no transposed (fan-in/fan-out) weight."""
+    extras = (getattr(layer, "use_dora", {}), getattr(layer, "lora_bias", {}), getattr(layer, "lora_variant", {}))
+    return (
+        type(layer.get_base_layer()) is nn.Linear
+        and not getattr(layer, "fan_in_fan_out", False)
+        and not any(any(extra.values()) for extra in extras)
+    )
 
 
 def _text_config(model: nn.Module) -> Any:
