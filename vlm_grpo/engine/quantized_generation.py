@@ -33,7 +33,6 @@ __all__ = [
     "QuantizedGenerationUnsupported",
     "QuantizedLayers",
     "choose_mode",
-    "dequantized_weight",
     "describe",
     "device_memory",
     "has_quantized_layers",
@@ -123,11 +122,6 @@ class _Dequantizer(nn.Module):
             absmax = ops.dequantize_blockwise(absmax, self.absmax2, self.code2, self.blocksize2, torch.float32)
             absmax = absmax + self.offset
         return ops.dequantize_4bit(self.data, absmax, self.blocksize, self.quant_type, self.shape, self.dtype)
-
-
-def dequantized_weight(base: nn.Module, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The weight of a bitsandbytes 4-bit / 8-bit linear layer, dequantised (in its compute dtype by default)."""
-    return _Dequantizer(base, dtype or _compute_dtype(base, torch.get_default_dtype()))()
 
 
 @dataclass(frozen=True)
