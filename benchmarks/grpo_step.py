@@ -28,13 +28,24 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-TRAINERS = ("vlm-grpo", "trl", "trl-static", "vlm-grpo-unmerged", "vlm-grpo-plain", "vlm-grpo-light", "trl-bf16")
-# vlm-grpo variants: the default (fast generation with LoRA merged while generating), LoRA left unmerged while
+TRAINERS = (
+    "vlm-grpo",
+    "trl",
+    "trl-static",
+    "vlm-grpo-host",
+    "vlm-grpo-unmerged",
+    "vlm-grpo-plain",
+    "vlm-grpo-light",
+    "trl-bf16",
+)
+# vlm-grpo variants: the default (fast generation with LoRA merged while generating), the base weights kept in host
+# memory while merged (no GPU copy; fast_generation_merge_backup="host"), LoRA left unmerged while
 # generating, TRL's plain generation path (what vlm-grpo did before vlm_grpo.engine.fast_generation), and, for 4-bit / 8-bit
 # models, the memory-light quantised mode (the default "auto" picks "copy" when it fits). `trl-bf16` is plain TRL on
 # the 16-bit model even with --load_in_4bit: the memory reference a quantised run is held against.
 VLM_VARIANTS = {
     "vlm-grpo": {},
+    "vlm-grpo-host": {"fast_generation_merge_backup": "host"},
     "vlm-grpo-unmerged": {"fast_generation_merge_lora": False},
     "vlm-grpo-plain": {"fast_generation": False},
     "vlm-grpo-light": {"fast_generation_quantized": "light"},

@@ -16,7 +16,7 @@ from PIL import Image
 from trl.data_utils import prepare_multimodal_messages
 from trl.trainer.grpo_trainer import GRPOTrainer
 
-from vlm_grpo.engine.fast_generation import merged_lora
+from vlm_grpo.engine.fast_generation import BaseWeightBackup, choose_backup, merged_lora
 from vlm_grpo.model import FastVisionModel
 from vlm_grpo.rows import prepare_row
 from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
@@ -129,6 +129,46 @@ def test_merged_lora_generates_like_the_adapter_and_restores_weights_bit_exactly
     with merged_lora(model) as merged:  # inside the block the merged weights differ from the originals
         assert merged and any(not torch.equal(after[n], w) for n, w in before.items())
     assert all(torch.equal(after[n], w) for n, w in before.items())
+
+
+def test_a_host_backup_restores_bit_exactly_and_is_refreshed_only_when_a_weight_changes(tiny_dir, tmp_path):
+    trainer = _trainer(tiny_dir, tmp_path, lora_b=0.5)
+    trainer.fast_generator.merge_backup = "host"
+    model = trainer.model
+    bases = {n: p for n, p in model.named_parameters() if "base_layer" in n and p.dim() == 2}
+    before = {n: p.detach().clone() for n, p in bases.items()}
+    batch = _batch(trainer, ROWS, 2)
+    plain = _plain(trainer, batch, 2)
+    assert _fast(trainer, batch) == plain  # merged from, and restored from, the host copy
+    backup = trainer.fast_generator.backup()
+    assert backup.where == "host" and backup.host_refreshes == len(bases)
+    assert all(torch.equal(bases[n], w) for n, w in before.items())
+    assert _fast(trainer, batch) == plain
+    assert backup.host_refreshes == len(bases)  # frozen weights: the copy made once is reused
+    weight = next(iter(bases.values()))
+    with torch.no_grad():  # a base weight changed in place (say, a user unfroze it): its copy must follow
+        weight.mul_(1.5)
+    changed = weight.detach().clone()
+    with merged_lora(model, backup) as merged:
+        assert merged and not torch.equal(weight, changed)
+    assert torch.equal(weight, changed) and backup.host_refreshes == len(bases) + 1
+    with pytest.raises(ValueError, match="auto, device, host"):
+        BaseWeightBackup("gpu")
+
+
+def test_auto_keeps_the_backup_on_the_host_only_for_gpu_weights_that_fit_in_host_memory(monkeypatch):
+    gpu, gib = torch.device("cuda"), 2**30
+    assert choose_backup(gib, torch.device("cpu"))[0] == "device"  # CPU weights: "host" would be a second RAM copy
+    assert choose_backup(gib, gpu)[0] == "host"
+    where, why = choose_backup(2**50, gpu)  # a petabyte of weights does not fit: the copy stays on the GPU
+    assert where == "device" and "GiB of host memory available" in why
+    fits_once = choose_backup(gib, gpu)[1].split("; ")[1]
+    available = float(fits_once.split()[0]) * gib
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # eight local ranks each pin their own copy
+    assert choose_backup(int(available / 8), gpu)[0] == "device"
+    assert choose_backup(int(available / 32), gpu)[0] == "host"
+    backup = BaseWeightBackup()  # "auto" by default, settled on the first merge
+    assert backup.where is None and backup.resolve([torch.zeros(4, 4)]) == "device"
 
 
 @pytest.mark.trains

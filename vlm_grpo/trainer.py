@@ -238,6 +238,7 @@ class VLMGRPOTrainer(GRPOTrainer):
         self.fast_generator = FastGenerator(
             compile=_compile_default(args, sharded=self.is_fsdp_enabled or self._is_zero3),
             merge_lora=getattr(args, "fast_generation_merge_lora", True),
+            merge_backup=getattr(args, "fast_generation_merge_backup", "auto"),
             quantized=getattr(args, "fast_generation_quantized", "auto"),
         )
         self._fast_generation_fallbacks: set[str] = set()

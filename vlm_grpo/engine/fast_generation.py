@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,7 +52,7 @@ from .quantized_generation import (
     is_quantized_linear,
 )
 
-__all__ = ["FastGenerator", "FastPathUnavailable", "group_prompts", "merged_lora"]
+__all__ = ["MERGE_BACKUPS", "BaseWeightBackup", "FastGenerator", "FastPathUnavailable", "group_prompts", "merged_lora"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,14 +82,105 @@ def group_prompts(
     return [group[0] for group in groups], inverse
 
 
+MERGE_BACKUPS = ("auto", "device", "host")
+# "auto" keeps the backup in host memory when all local processes' copies take at most this share of the host's
+# available memory.
+HOST_SHARE = 0.5
+
+
+def choose_backup(needed_bytes: int, device: torch.device) -> tuple[str, str]:
+    """`("device" | "host", why)`: where "auto" keeps the base weights while LoRA is merged into them.
+
+    Host memory when the weights are on a GPU and every local process's copy fits in `HOST_SHARE` of the host's
+    available memory (the same speed in `benchmarks/grpo_step.py`, one copy of the adapted weights less on the GPU);
+    otherwise on the device.
+    """
+    if device.type != "cuda":
+        return "device", "the weights are not on a GPU"
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    available = _host_available_bytes()
+    gib = 2**30
+    why = (f"{processes} x {needed_bytes / gib:.1f} GiB of base weights; {available / gib:.1f} GiB of host memory "
+           "available")  # fmt: skip
+    return ("host" if processes * needed_bytes <= HOST_SHARE * available else "device"), why
+
+
+def _host_available_bytes() -> int:
+    """The host memory available to new allocations (Linux's MemAvailable; free pages elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class BaseWeightBackup:
+    """Copies of the base weights LoRA is merged into, so `merged_lora` can restore them bit for bit.
+
+    `where="device"`: a fresh copy beside each weight for every merge (one extra copy of the adapted weights in GPU
+    memory while generating). `where="host"`: one copy in pinned CPU memory, kept across generations and refreshed
+    only when a weight changed since it was restored (its in-place version counter moved, or its storage was
+    replaced): LoRA's base weights are frozen, so after the first generation the cost is one host-to-device copy per
+    generation and no GPU memory. `where="auto"`: `choose_backup` decides on the first merge (logged).
+    """
+
+    def __init__(self, where: str = "auto") -> None:
+        if where not in MERGE_BACKUPS:
+            raise ValueError(f"merge backup must be one of {', '.join(MERGE_BACKUPS)}, got {where!r}")
+        self.setting = where
+        self.where = None if where == "auto" else where
+        self._host: dict[int, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.host_refreshes = 0  # weights copied to the host (the first generation, then only changed ones)
+
+    def resolve(self, weights: Sequence[torch.Tensor]) -> str:
+        """Settle "auto" for these weights (once; later calls keep the choice) and return where they are kept."""
+        if self.where is None:
+            needed = sum(w.numel() * w.element_size() for w in weights)
+            self.where, why = choose_backup(needed, weights[0].device)
+            logger.info("LoRA merged for generation: base weights kept on the %s (%s). Set "
+                        "fast_generation_merge_backup to force one.", self.where, why)  # fmt: skip
+        return self.where
+
+    def save(self, weight: torch.Tensor) -> None:
+        """Remember `weight` as it is now (call before merging into it)."""
+        if self.where == "device":
+            self._saved.append((weight, weight.detach().clone()))
+            return
+        entry = self._host.get(id(weight))
+        if entry is None or entry[0] is not weight or entry[2] != weight._version or entry[3] != weight.data_ptr():
+            pin = weight.device.type == "cuda"
+            copy = torch.empty(weight.shape, dtype=weight.dtype, device="cpu", pin_memory=pin)
+            copy.copy_(weight.detach())
+            entry = (weight, copy, weight._version, weight.data_ptr())
+            self.host_refreshes += 1
+        self._host[id(weight)] = entry
+        self._saved.append((weight, entry[1]))
+
+    def restore(self) -> None:
+        """Copy every saved weight back, and note its version so an untouched weight keeps its host copy."""
+        on_cuda = False
+        for weight, original in self._saved:
+            weight.copy_(original, non_blocking=True)
+            on_cuda |= weight.device.type == "cuda"
+            if self.where == "host":
+                self._host[id(weight)] = (weight, original, weight._version, weight.data_ptr())
+        self._saved = []
+        if self.where == "host" and on_cuda:
+            torch.cuda.current_stream().synchronize()  # the pinned sources must not be rewritten mid-copy
+
+
 @contextlib.contextmanager
-def merged_lora(model: nn.Module) -> Iterator[bool]:
+def merged_lora(model: nn.Module, backup: BaseWeightBackup | None = None) -> Iterator[bool]:
     """Merge the active LoRA adapters into the base weights for the duration of the block.
 
     Yields True when merged (the adapters are disabled inside the block, the merged weights do their work),
     False when the model cannot be merged exactly (DoRA, a non-linear base, no 16-bit LoRA), in which case nothing
-    changes. The base weights are copied before merging and copied back after, so they come back bit-identical
-    (a bf16 merge followed by an unmerge would round).
+    changes. The base weights are saved before merging (`backup`: on the device by default, or in host memory) and
+    copied back after, so they come back bit-identical (a bf16 merge followed by an unmerge would round).
     """
     # Quantised (bitsandbytes) bases are left out: `vlm_grpo.engine.quantized_generation` swaps them for plain layers with
     # their adapters applied while generating, so disabling their adapters here changes nothing.
@@ -100,14 +192,17 @@ def merged_lora(model: nn.Module) -> Iterator[bool]:
     if not layers or not hasattr(model, "disable_adapter") or not all(_merges_as_a_delta(layer) for layer in layers):
         yield False
         return
-    saved = []
+    backup = backup if backup is not None else BaseWeightBackup("device")
+    merges = []
+    for layer in layers:
+        active = [name for name in layer.active_adapters if name in layer.lora_A]
+        if active and not layer.disable_adapters:
+            merges.append((layer, layer.get_base_layer().weight, active))
+    if merges:
+        backup.resolve([weight for _, weight, _ in merges])
     with torch.no_grad():
-        for layer in layers:
-            weight = layer.get_base_layer().weight
-            active = [name for name in layer.active_adapters if name in layer.lora_A]
-            if not active or layer.disable_adapters:
-                continue
-            saved.append((weight, weight.detach().clone()))
+        for layer, weight, active in merges:
+            backup.save(weight)
             for name in active:  # W += scaling * (B @ A): PEFT's delta for a Linear base, in one kernel
                 lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
                 weight.addmm_(lora_b.to(weight.dtype), lora_a.to(weight.dtype), alpha=layer.scaling[name])
@@ -116,8 +211,7 @@ def merged_lora(model: nn.Module) -> Iterator[bool]:
             yield True
     finally:
         with torch.no_grad():
-            for weight, original in saved:
-                weight.copy_(original)
+            backup.restore()
 
 
 def _merges_as_a_delta(layer: nn.Module) -> bool:
@@ -144,6 +238,8 @@ class FastGenerator:
         compile: compile the decode step (a CUDA graph); None: on CUDA only (compiling on CPU costs more than
             it saves for the tiny models used there).
         merge_lora: merge LoRA into the 16-bit base weights while generating (exactly restored afterwards).
+        merge_backup: where the base weights are kept while merged: "device" (a copy in GPU memory), "host" (pinned
+            CPU memory, made once; one host-to-device copy per generation) or "auto" (`choose_backup`).
         grouped_attention: decode with `engine.decode_attention` (grouped-query heads read the KV cache in place).
         quantized: how bitsandbytes 4-bit / 8-bit layers generate ("auto", "copy" or "light"; see
             `vlm_grpo.engine.quantized_generation`): plain stand-ins, so the decode step compiles like a 16-bit model's.
@@ -153,6 +249,7 @@ class FastGenerator:
 
     compile: bool | None = None
     merge_lora: bool = True
+    merge_backup: str = "auto"
     quantized: str = "auto"
     grouped_attention: bool = True
     cache_bucket: int = 256
@@ -161,6 +258,13 @@ class FastGenerator:
     _compiled_call: Any = field(default=None, repr=False)
     _quantized_layers: QuantizedLayers | None = field(default=None, repr=False)
     _quantized_model: int | None = field(default=None, repr=False)
+    _backup: BaseWeightBackup | None = field(default=None, repr=False)
+
+    def backup(self) -> BaseWeightBackup:
+        """The base-weight backup `merged_lora` uses (one per generator, so a host copy outlives a generation)."""
+        if self._backup is None or self._backup.setting != self.merge_backup:
+            self._backup = BaseWeightBackup(self.merge_backup)
+        return self._backup
 
     def unsupported_reason(self, model: nn.Module) -> str | None:
         """Why this model cannot use the fast path (None when it can)."""
@@ -219,7 +323,7 @@ class FastGenerator:
         try:
             quantized = self.quantized_layers(model)
             swapped = quantized.swapped() if quantized is not None else contextlib.nullcontext()
-            merged = merged_lora(model) if self.merge_lora else contextlib.nullcontext(False)
+            merged = merged_lora(model, self.backup()) if self.merge_lora else contextlib.nullcontext(False)
             with swapped, merged:  # stand-ins first: they read the adapters before `merged_lora` disables them
                 rows = self._generate(base, device, prompt_ids, unique, inverse, unique_fields, generation_config,
                                       pad_token_id)  # fmt: skip
