@@ -33,19 +33,22 @@ TRAINERS = (
     "trl",
     "trl-static",
     "vlm-grpo-host",
+    "vlm-grpo-unpacked",
     "vlm-grpo-unmerged",
     "vlm-grpo-plain",
     "vlm-grpo-light",
     "trl-bf16",
 )
 # vlm-grpo variants: the default (fast generation with LoRA merged while generating), the base weights kept in host
-# memory while merged (no GPU copy; fast_generation_merge_backup="host"), LoRA left unmerged while
+# memory while merged (no GPU copy; fast_generation_merge_backup="host"), the vision tower attending window by window
+# (packed_vision_attention=False), LoRA left unmerged while
 # generating, TRL's plain generation path (what vlm-grpo did before vlm_grpo.engine.fast_generation), and, for 4-bit / 8-bit
 # models, the memory-light quantised mode (the default "auto" picks "copy" when it fits). `trl-bf16` is plain TRL on
 # the 16-bit model even with --load_in_4bit: the memory reference a quantised run is held against.
 VLM_VARIANTS = {
     "vlm-grpo": {},
     "vlm-grpo-host": {"fast_generation_merge_backup": "host"},
+    "vlm-grpo-unpacked": {"packed_vision_attention": False},
     "vlm-grpo-unmerged": {"fast_generation_merge_lora": False},
     "vlm-grpo-plain": {"fast_generation": False},
     "vlm-grpo-light": {"fast_generation_quantized": "light"},

@@ -122,6 +122,12 @@ class VLMGRPOConfig(GRPOConfig):
                   "one layer's memory; slower). 'auto': 'copy' when it fits with a quarter of the GPU left for "
                   "training, else 'light' (logged).", "choices": list(QUANTIZED_MODES)},
     )  # fmt: skip
+    packed_vision_attention: bool = field(
+        default=True,
+        metadata={"help": "Qwen-VL vision towers (sdpa): attend to all windows of one length in one batched call "
+                  "(vlm_grpo.engine.vision_attention; same outputs and gradients) instead of one call per window, "
+                  "~900 calls per vision pass at 448². Other families and attention implementations: unchanged."},
+    )  # fmt: skip
     shared_prefix: bool = field(
         default=True,
         metadata={"help": "Compute each group's prompt and images once when scoring and training (the G completions "

@@ -47,6 +47,7 @@ from .engine.fast_generation import FastGenerator, FastPathUnavailable
 from .engine.sharded import full_weights
 from .engine.sharded import unsupported_reason as sharded_unsupported_reason
 from .engine.shared_prefix import SharedPrefixUnsupported, shared_prefix_logps
+from .engine.vision_attention import pack_vision_attention
 from .hooks import enable_requires_grad_hooks
 from .image_sizes import add_image_sizes
 from .integrations.unsloth import maybe_patch_for_model
@@ -235,6 +236,8 @@ class VLMGRPOTrainer(GRPOTrainer):
         if is_checkpointing(unwrapped):
             enable_requires_grad_hooks(unwrapped)
         maybe_patch_for_model(unwrapped)  # no-op unless the model came from Unsloth
+        if getattr(args, "packed_vision_attention", True):
+            pack_vision_attention(unwrapped)
         self.fast_generator = FastGenerator(
             compile=_compile_default(args, sharded=self.is_fsdp_enabled or self._is_zero3),
             merge_lora=getattr(args, "fast_generation_merge_lora", True),
