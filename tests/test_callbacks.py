@@ -17,6 +17,7 @@ from vlm_grpo.callbacks import (
     RewardProgressBar,
     completion_samples,
     in_notebook,
+    keep_records_up_to,
     plot_reward_curve,
     reward_summary,
 )
@@ -157,3 +158,29 @@ def test_reward_curve_png_is_written_whole_from_the_metrics_file(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curve.png", "metrics.jsonl"]  # no temporary left
     plot_reward_curve(metrics, tmp_path / "no-eval.png", title="no held-out set")  # NaN before/after: no lines
     assert Image.open(tmp_path / "no-eval.png").size == (720, 420)
+
+
+def test_metrics_of_a_resumed_run_are_cut_back_to_its_checkpoint(tmp_path):
+    from transformers import TrainerControl, TrainerState
+
+    # A run killed after step 4's checkpoint while logging step 6; an earlier attempt had ended (its final record).
+    metrics = tmp_path / "metrics.jsonl"
+    records = [{"step": s, "loss": s / 10} for s in range(1, 6)] + [{"step": 5, "train_runtime": 1.0}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 6, "lo')
+    callback = MetricsJsonlCallback(metrics)
+    callback.on_train_begin(None, TrainerState(global_step=4), TrainerControl())  # the state restored: resumed
+    assert [json.loads(line) for line in metrics.read_text().splitlines()] == records[:4]
+    callback.on_log(None, TrainerState(global_step=5), TrainerControl(), logs={"loss": 0.25})
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 4, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # rewritten through a temporary
+    callback.on_train_begin(None, TrainerState(global_step=0), TrainerControl())  # a new run starts it empty
+    assert metrics.read_text() == ""
+    keep_records_up_to(tmp_path / "new.jsonl", 3)  # resuming with no record yet: an empty file to append to
+    assert (tmp_path / "new.jsonl").read_text() == ""
+
+
+def test_metrics_file_is_not_touched_before_training_begins(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1}\n')
+    MetricsJsonlCallback(metrics)
+    assert metrics.read_text() == '{"step": 1}\n'

@@ -5,27 +5,37 @@ import io
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
+import time
 
 import pytest
+import torch
 from datasets import Dataset, DatasetDict, Features, Value
 from datasets import Image as ImageFeature
 from PIL import Image
+from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
 from vlm_grpo.cli import UsageError, main, parse_args, run
+from vlm_grpo.cli_args import resume_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_RUN = ["--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "2",
             "--max_completion_length", "4", "--logging_steps", "1"]  # fmt: skip
 
 
-def vlm_grpo(*args: str) -> subprocess.CompletedProcess:
-    """The installed console script, importing this checkout, under umask 022."""
+def _console_script() -> tuple[str, dict[str, str]]:
+    """The installed console script and the environment it runs in: this checkout imported, one thread."""
     exe = shutil.which("vlm-grpo")
     assert exe, "the vlm-grpo console script is not installed (pip install -e .)"
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return exe, {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def vlm_grpo(*args: str) -> subprocess.CompletedProcess:
+    """The installed console script, importing this checkout, under umask 022."""
+    exe, env = _console_script()
     return subprocess.run([exe, *args], check=False, capture_output=True, text=True, env=env, timeout=900,
                           preexec_fn=lambda: os.umask(0o022))  # fmt: skip
 
@@ -104,6 +114,8 @@ def test_help_starts_with_what_the_command_does(tmp_path):
         (["--learning_rate=-1e-4"], "--learning_rate must be >= 0, got -0.0001"),
         (["--learning_rate", "-1e-4"], "--learning_rate must be >= 0, got -0.0001"),  # a negative value after a space
         (["--adam_beta2", "1.5"], "--adam_beta2 must be in [0, 1)"),
+        (["--resume_from_checkpoint", "runs/nowhere/checkpoint-20"], "runs/nowhere/checkpoint-20: no such directory"),
+        (["--resume_from_checkpoint", "--overwrite_output_dir"], "choose one"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_status_2_with_nothing_written(tmp_path, capsys, monkeypatch, args, message):
@@ -308,3 +320,168 @@ def test_negative_values_reach_the_config_with_or_without_an_equals_sign():
     for argv in (["--beta", "-0.5"], ["--beta=-0.5"], ["--beta", "-5e-1"]):
         _, config = parse_args(argv)
         assert config.beta == -0.5
+
+
+def test_resume_from_checkpoint_takes_a_path_or_no_value():
+    assert parse_args(["--resume_from_checkpoint"])[1].resume_from_checkpoint == "auto"
+    _, config = parse_args(["--resume_from_checkpoint", "--max_steps", "3"])
+    assert (config.resume_from_checkpoint, config.max_steps) == ("auto", 3)
+    assert parse_args(["--resume_from_checkpoint", "run/checkpoint-5"])[1].resume_from_checkpoint == "run/checkpoint-5"
+
+
+# Resuming (issue 25). One generation per optimizer step (gradient_accumulation_steps = steps_per_generation =
+# num_iterations = 1), so every checkpoint falls between generation batches: TRL keeps a batch's completions in memory
+# only, and a run resumed inside one generates new ones. 32 prompts, 2 per step: the 6 steps stay in the first epoch,
+# since TRL's sampler does not replay the earlier epochs' shuffles on resume.
+RESUMABLE = ["--train_size", "32", "--test_size", "4", "--max_steps", "6", "--save_strategy", "steps",
+             "--save_steps", "2", "--disable_tqdm", "true", *TINY_RUN[2:]]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run the resumed ones are compared with: 6 steps, a checkpoint every 2."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    _assert_ok(vlm_grpo("--output_dir", str(out), *RESUMABLE))
+    return out
+
+
+def _without_timing(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "step_time"} for r in records if "loss" in r]
+
+
+def _assert_continues(out, uninterrupted, resumed_from: int) -> None:
+    """Every step logged once, in order, then one final record; the steps after the checkpoint logged as the
+    uninterrupted run logged them (loss, reward, KL, samples...); the same trained weights; the outputs complete."""
+    records = _metrics(out)
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert ["train_runtime" in r for r in records] == [False] * 6 + [True]
+    resumed, expected = _without_timing(records)[resumed_from:], _without_timing(_metrics(uninterrupted))[resumed_from:]
+    assert resumed[0]["loss"] == expected[0]["loss"]  # the first step trained again
+    assert resumed == expected
+    final = load_file(out / "final" / "model.safetensors")
+    reference = load_file(uninterrupted / "final" / "model.safetensors")
+    assert final.keys() == reference.keys() and all(torch.equal(final[k], reference[k]) for k in final)
+    assert AutoModelForImageTextToText.from_pretrained(out / "final").config.model_type == "qwen2_5_vl"
+    assert set(json.loads((out / "eval.json").read_text())) >= {"before/accuracy", "after/accuracy"}
+    assert (out / "reward_curve.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.trains
+def test_a_killed_run_resumes_from_its_newest_checkpoint_and_keeps_its_whole_record(tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    # The command a preemptible job repeats: the first time there is no checkpoint, so it starts a new run.
+    command = ["--output_dir", str(out), *RESUMABLE, "--resume_from_checkpoint"]
+    exe, env = _console_script()
+    log_path = tmp_path / "first.log"
+    with open(log_path, "w") as log:
+        first = subprocess.Popen([exe, *command], env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            state, deadline = out / "checkpoint-2" / "trainer_state.json", time.monotonic() + 300
+            while True:  # trainer_state.json is a checkpoint's last file: once it parses, checkpoint-2 is whole
+                assert first.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+                try:
+                    json.loads(state.read_text())
+                    break
+                except (FileNotFoundError, ValueError):
+                    time.sleep(0.02)
+            first.send_signal(signal.SIGKILL)  # the machine dies: no cleanup, whatever it was writing cut short
+        finally:
+            first.kill()
+            first.wait()
+    assert "no checkpoint in" in log_path.read_text()
+    assert not (out / "final").exists() and not (out / "eval.json").exists()  # killed mid-run
+
+    proc = vlm_grpo(*command)
+    _assert_ok(proc)
+    resumed_from = int(proc.stdout.split(f"resuming from {out}/checkpoint-")[1].split()[0])
+    assert resumed_from >= 2
+    _assert_continues(out, uninterrupted, resumed_from)
+
+
+@pytest.mark.slow
+@pytest.mark.trains
+def test_auto_resume_skips_a_checkpoint_cut_short_for_the_previous_one(tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    # A kill while checkpoint-6 was saved: half its weights written; the optimizer, scheduler, RNG and trainer state
+    # not yet (transformers writes them in that order).
+    newest = out / "checkpoint-6"
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"):
+        (newest / name).unlink()
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    proc = vlm_grpo("--output_dir", str(out), *RESUMABLE, "--resume_from_checkpoint", "auto")
+    _assert_ok(proc)
+    assert f"resuming from {out / 'checkpoint-4'}" in proc.stdout
+    assert "checkpoint-6, which is incomplete: no trainer_state.json" in proc.stderr
+    _assert_continues(out, uninterrupted, resumed_from=4)
+
+
+def _tree(root) -> dict:
+    """Every path under `root`, and `root`, with its type, size and modification time."""
+    found = {}
+    for path in [root, *root.rglob("*")]:
+        info = path.lstat()
+        found[str(path.relative_to(root))] = (stat.S_IFMT(info.st_mode), info.st_size, info.st_mtime_ns)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.trains
+def test_a_new_run_into_another_runs_checkpoints_is_refused_with_nothing_changed(tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    before = _tree(out)
+    proc = vlm_grpo("--output_dir", str(out), *RESUMABLE)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"vlm-grpo: error: --output_dir {out} holds checkpoints of an earlier run")
+    assert "--resume_from_checkpoint" in line and "--overwrite_output_dir" in line
+    assert _tree(out) == before
+
+
+@pytest.mark.slow
+@pytest.mark.trains
+def test_overwrite_output_dir_starts_over_without_the_earlier_runs_files(tmp_path, uninterrupted, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    run(*parse_args(["--output_dir", str(out), "--overwrite_output_dir", "--train_size", "8", "--test_size", "4",
+                     "--disable_tqdm", "true", *TINY_RUN]))  # fmt: skip
+    deleted = "deleted the earlier run's checkpoint-2, checkpoint-4, checkpoint-6, final, metrics.jsonl, eval.json"
+    assert deleted in capsys.readouterr().out
+    assert not list(out.glob("checkpoint-*"))  # this run saves none (save_strategy no)
+    assert [r["step"] for r in _metrics(out)] == [1, 2, 2]  # its own two steps and final record, none of the six
+
+
+@pytest.mark.slow
+@pytest.mark.trains
+def test_an_incomplete_checkpoint_is_refused_when_named_or_when_it_is_all_there_is(tmp_path, uninterrupted, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    for checkpoint in out.glob("checkpoint-*"):
+        (checkpoint / "trainer_state.json").unlink()
+    before = _tree(out)
+    assert main(["--output_dir", str(out), "--resume_from_checkpoint", str(out / "checkpoint-4")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("checkpoint-4 is not a complete checkpoint: no trainer_state.json (the save was interrupted).")
+    assert main(["--output_dir", str(out), "--resume_from_checkpoint"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"no checkpoint in {out} is complete (checkpoint-6: no trainer_state.json" in err and "\n" not in err
+    assert _tree(out) == before
+
+
+@pytest.mark.slow
+@pytest.mark.trains
+def test_resuming_inside_a_generation_batch_is_said(uninterrupted, capsys):
+    # Four optimizer steps share one generation batch: checkpoint-2 falls in its middle.
+    checkpoint = str(uninterrupted / "checkpoint-2")
+    script, config = parse_args(["--output_dir", str(uninterrupted), *RESUMABLE, "--steps_per_generation", "4",
+                                 "--resume_from_checkpoint", checkpoint])  # fmt: skip
+    assert resume_checkpoint(script, config) == checkpoint
+    assert "checkpoint-2 falls inside a generation batch (4 micro-steps share one)" in capsys.readouterr().out
+    script, config = parse_args(
+        ["--output_dir", str(uninterrupted), *RESUMABLE, "--resume_from_checkpoint", checkpoint]
+    )
+    resume_checkpoint(script, config)
+    assert "generation batch" not in capsys.readouterr().out

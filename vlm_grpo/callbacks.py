@@ -1,7 +1,8 @@
 """Trainer callbacks for watching a GRPO run.
 
 - `MetricsJsonlCallback`: every log record as one JSON line, with a few sampled prompts, completions and their
-  rewards at each logging step (read from the buffer TRL fills for its `log_completions` tables).
+  rewards at each logging step (read from the buffer TRL fills for its `log_completions` tables); a resumed run
+  appends to the records up to its checkpoint (`keep_records_up_to`).
 - `LivePlotCallback`: the mean reward and each reward function's mean (accuracy, format...) redrawn as one plot
   in Jupyter at every logging step; one text line per logging step elsewhere.
 - `RewardProgressBar` / `RewardPrinter`: transformers' progress bar with the few numbers worth watching in its
@@ -14,11 +15,14 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import os
 from typing import Any
 
 from transformers import ProgressCallback, TrainerCallback
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "LivePlotCallback",
@@ -27,6 +31,7 @@ __all__ = [
     "RewardProgressBar",
     "completion_samples",
     "in_notebook",
+    "keep_records_up_to",
     "plot_reward_curve",
     "reward_summary",
 ]
@@ -94,13 +99,22 @@ class MetricsJsonlCallback(TrainerCallback):
     Training records (those with a `reward`) also get `samples`: `num_samples` prompts with their completions and
     rewards (`completion_samples`), when the callback is given the trainer. TRL's own `log_completions=True` sends
     the same rows to wandb / trackio tables and `output_dir/completions/*.parquet`.
+
+    A run resumed from a checkpoint (`trainer.train(resume_from_checkpoint=...)`) keeps the file's records up to the
+    checkpoint's step and appends to them, so the file holds every logged step once; a fresh run starts it empty.
+    Nothing is written before training begins.
     """
 
     def __init__(self, path: str | os.PathLike, trainer: Any = None, num_samples: int = 4) -> None:
         self.path = os.fspath(path)
         self.trainer = trainer
         self.num_samples = num_samples
-        open(self.path, "w").close()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Start the file: empty for a fresh run; for a resumed one (its state restored, so `global_step > 0`), the
+        records up to the checkpoint's step, since the steps after it are trained (and logged) again."""
+        if state.is_world_process_zero:
+            keep_records_up_to(self.path, state.global_step)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         """Append one JSON line per log record (main process only)."""
@@ -111,6 +125,32 @@ class MetricsJsonlCallback(TrainerCallback):
             record["samples"] = completion_samples(self.trainer, self.num_samples)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def keep_records_up_to(path: str | os.PathLike, step: int) -> None:
+    """Cut the metrics file at `path` back to the records of steps <= `step` (`step` 0: none), rewritten atomically.
+
+    The final record of a run that ended (transformers' `train_runtime` summary) goes too: a resumed run writes its
+    own at its end. A line cut short by a kill (the record being written) is dropped, with a warning.
+    """
+    path = os.fspath(path)
+    kept, unreadable = [], 0
+    if step > 0 and os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    unreadable += 1
+                    continue
+                if record.get("step", 0) <= step and "train_runtime" not in record:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+    if unreadable:
+        logger.warning("%s: dropped %d line(s) that are not JSON (a record cut short by a kill).", path, unreadable)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
 
 
 def _curve_label(key: str) -> str | None:

@@ -7,7 +7,9 @@
 
 It prints held-out accuracy before and after training and writes to `--output_dir`: `metrics.jsonl` (one line
 per logging step, with a few sample completions), `reward_curve.png`, `eval.json` and `final/` (the trained
-checkpoint with its processor, written atomically).
+checkpoint with its processor, written atomically). With `--save_strategy steps`, a killed run continues with
+`--resume_from_checkpoint` (its newest complete checkpoint), `metrics.jsonl` keeping every step once; a new run into
+a directory holding checkpoints is refused unless `--overwrite_output_dir`.
 
 `main()` is the console script (returns the exit status); `run(script, config)` is for Python callers. The flags
 and their checks are `vlm_grpo.cli_args`, what to train on is a `vlm_grpo.task.Task`, the defaults are the demo's
@@ -32,6 +34,7 @@ from .cli_args import (
     check_args,
     parse_args,
     resolve_rewards,
+    resume_checkpoint,
     short_help,
 )
 from .compat import checkpointing_from_args
@@ -124,6 +127,29 @@ def _show_progress(trainer: Any, metrics_path: str, accuracy: str) -> None:
     trainer.add_callback(MetricsJsonlCallback(metrics_path, trainer=trainer, num_samples=samples))
 
 
+# What a run writes to --output_dir besides tiny-base/ (rebuilt by every run): --overwrite_output_dir deletes an
+# earlier run's, so none of it is mistaken for the new run's.
+_RUN_OUTPUTS = ("final", "metrics.jsonl", "eval.json", "reward_curve.png")
+
+
+def _clear_earlier_run(output_dir: str) -> None:
+    """Delete an earlier run's checkpoints and outputs from `output_dir` (`--overwrite_output_dir`), saying which."""
+    import shutil
+
+    from .checkpoints import checkpoint_dirs
+
+    doomed = checkpoint_dirs(output_dir) + [os.path.join(output_dir, n) for n in _RUN_OUTPUTS]
+    doomed = [path for path in doomed if os.path.lexists(path)]
+    for path in doomed:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    if doomed:
+        print(f"--overwrite_output_dir: deleted the earlier run's {', '.join(map(os.path.basename, doomed))} "
+              f"from {output_dir}", flush=True)  # fmt: skip
+
+
 def _save_final(trainer: Any, processor: Any, final: str) -> None:
     """The trained model and its processor to `final`, written atomically by rank 0."""
     from .export import atomic_directory
@@ -150,10 +176,15 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     from .trainer import VLMGRPOTrainer
 
     check_args(script, config)
+    resume = resume_checkpoint(script, config)
     task = build_task(script, config)
     if not torch.cuda.is_available():
         torch.set_num_threads(script.torch_threads)
     os.makedirs(config.output_dir, exist_ok=True)
+    if script.overwrite_output_dir:
+        with config.main_process_first(local=False, desc="clearing the earlier run"):
+            if config.process_index == 0:
+                _clear_earlier_run(config.output_dir)
 
     model, processor = _load(script, config, task.answer_words)
     # Greedy decoding for accuracy: what a user of the trained model gets; the task's accuracy reward decides it.
@@ -169,7 +200,7 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     trainer = VLMGRPOTrainer(model=model, reward_funcs=task.reward_funcs, args=config, train_dataset=task.train,
                              processing_class=processor)  # fmt: skip
     _show_progress(trainer, metrics_path, reward_name(task.accuracy))
-    trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume)
     # Saved before the held-out evaluation, so a failure there cannot lose it.
     _save_final(trainer, processor, os.path.join(config.output_dir, "final"))
 

@@ -28,10 +28,12 @@ __all__ = [
     "check_args",
     "parse_args",
     "resolve_rewards",
+    "resume_checkpoint",
     "short_help",
 ]
 
 TINY_PREFIX = "tiny:"
+AUTO = "auto"  # --resume_from_checkpoint's value for the newest complete checkpoint in --output_dir
 PROG = "vlm-grpo"
 DESCRIPTION = """\
 GRPO (reinforcement learning with verifiable rewards) for vision-language models. Trains on a synthetic
@@ -146,6 +148,11 @@ class ScriptArguments:
         default=0, metadata={"help": "Tokens per held-out answer; 0: max_completion_length."}
     )
     torch_threads: int = field(default=1, metadata={"help": "CPU threads for torch (1 is fastest for tiny models)."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Start a new run in an --output_dir that holds an earlier run: its checkpoints, final/, "
+                  "metrics.jsonl, eval.json and reward_curve.png are deleted first (else such a run is refused)."},
+    )  # fmt: skip
 
 
 def build_parser() -> Any:
@@ -167,6 +174,11 @@ def build_parser() -> Any:
             and isinstance(action, argparse._StoreFalseAction)
         ):
             action.help, action.default = f"Turn off --{action.dest}.", argparse.SUPPRESS
+    # `--resume_from_checkpoint` alone (or `auto`): the newest complete checkpoint in --output_dir.
+    resume = parser._option_string_actions["--resume_from_checkpoint"]
+    resume.nargs, resume.const, resume.metavar = "?", AUTO, "CHECKPOINT"
+    resume.help = (f"Continue a run from a checkpoint directory; with no value (or `{AUTO}`), from the newest complete "
+                   "checkpoint in --output_dir (a new run if it holds none).")  # fmt: skip
     # TrlParser reads `--config` itself before argparse runs; listed here so --help shows it.
     script_group = next(g for g in parser._action_groups if g.title == ScriptArguments._argument_group_name)
     script_group.add_argument("--config", metavar="YAML", default=argparse.SUPPRESS,
@@ -298,6 +310,61 @@ def check_args(script: ScriptArguments, config: Any) -> None:
         raise UsageError(
             f"--reward_weights has {len(config.reward_weights)} value(s) for {max(len(funcs), 1)} reward function(s)."
         )
+
+
+def resume_checkpoint(script: ScriptArguments, config: Any) -> str | None:
+    """The checkpoint the run continues from (None: a new run), once --output_dir is known to take this run without
+    mixing it with another: a new run into a directory holding checkpoints is refused unless
+    `--overwrite_output_dir`. `--resume_from_checkpoint` with no value (`auto`, or `true` from YAML) is the newest
+    complete checkpoint (`vlm_grpo.checkpoints`), or a new run where there is no checkpoint at all. Raises
+    `UsageError`; writes nothing."""
+    from .checkpoints import checkpoint_dirs, incomplete_reason, newest_complete_checkpoint
+
+    requested = config.resume_from_checkpoint
+    requested = None if requested in (False, None, "") else requested
+    existing = checkpoint_dirs(config.output_dir)
+    if requested is not None and script.overwrite_output_dir:
+        raise UsageError("--resume_from_checkpoint continues the run in --output_dir, --overwrite_output_dir starts "
+                         "it over; choose one.")  # fmt: skip
+    if requested is None:
+        if existing and not script.overwrite_output_dir:
+            names = ", ".join(os.path.basename(c) for c in existing[-3:])
+            raise UsageError(f"--output_dir {config.output_dir} holds checkpoints of an earlier run ({names}): continue "
+                             "it with --resume_from_checkpoint, or start over with --overwrite_output_dir.")  # fmt: skip
+        return None
+    if requested is True or str(requested).lower() in (AUTO, "true"):
+        if not existing:
+            print(f"--resume_from_checkpoint: no checkpoint in {config.output_dir}, starting a new run", flush=True)
+            return None
+        checkpoint = newest_complete_checkpoint(config.output_dir)
+        if checkpoint is None:
+            raise UsageError(f"--resume_from_checkpoint: no checkpoint in {config.output_dir} is complete ("
+                             f"{os.path.basename(existing[-1])}: {incomplete_reason(existing[-1])}); name one, or start "
+                             "over with --overwrite_output_dir.")  # fmt: skip
+    else:
+        checkpoint = os.path.expanduser(str(requested))
+        if not os.path.isdir(checkpoint):
+            raise UsageError(f"--resume_from_checkpoint {requested}: no such directory (a checkpoint-N directory, or "
+                             f"`{AUTO}` for the newest complete one in --output_dir).")  # fmt: skip
+        if reason := incomplete_reason(checkpoint):
+            raise UsageError(f"--resume_from_checkpoint {requested} is not a complete checkpoint: {reason}.")
+    print(f"resuming from {checkpoint}", flush=True)
+    _note_generation_batch_split(config, checkpoint)
+    return checkpoint
+
+
+def _note_generation_batch_split(config: Any, checkpoint: str) -> None:
+    """Say so when the checkpoint falls inside a generation batch: TRL keeps the batch's completions in memory only
+    (`_buffered_inputs`), so the resumed run generates new ones there and does not repeat the interrupted run."""
+    import json
+
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        micro_steps = json.load(f)["global_step"] * config.gradient_accumulation_steps
+    shared = (config.steps_per_generation or 1) * config.num_iterations  # micro-steps one generation batch serves
+    if micro_steps % shared:
+        print(f"note: {os.path.basename(checkpoint)} falls inside a generation batch ({shared} micro-steps share one): "
+              "the resumed steps train on newly generated completions. Saving every multiple of "
+              "steps_per_generation x num_iterations / gradient_accumulation_steps steps avoids this.", flush=True)  # fmt: skip
 
 
 def _check_training_values(config: Any) -> None:

@@ -6,6 +6,7 @@ the package to names outside their libraries' public API. Those names move betwe
 training run. So here, and only here:
 - `OVERRIDDEN`: the TRL methods `VLMGRPOTrainer` overrides, with the parameters TRL calls them with;
 - `CALLED`: the transformers methods the engine calls, with the parameters it passes;
+- `CHECKPOINT_LOADING`: the transformers function resuming a checkpoint calls (`vlm_grpo.checkpoints`);
 - `TRAINER_ATTRIBUTES`: the TRL trainer attributes the trainer reads (read plainly, never `getattr(..., default)`,
   so a rename raises instead of silently reading the default);
 - `FUSED_LM_HEAD_KEYWORDS`: what TRL's fused LM head adds to a model's forward, which shared-prefix scoring passes;
@@ -25,6 +26,7 @@ import torch
 
 __all__ = [
     "CALLED",
+    "CHECKPOINT_LOADING",
     "FUSED_LM_HEAD_KEYWORDS",
     "OVERRIDDEN",
     "TESTED",
@@ -46,16 +48,17 @@ TESTED = {"trl": ("1.15.0", "1.16.0"), "transformers": ("5.17.0", "5.24.0")}
 class PrivateMethod:
     """A private method of another library: the class that owns it, its name, and its parameters after `self`."""
 
-    owner: str  # "module:Class"
+    owner: str  # "module:Class", or "module" for a module-level function
     name: str
     parameters: tuple[str, ...]
     used_by: str
 
     def installed_parameters(self) -> tuple[str, ...]:
-        """The parameters (after `self`) of the installed library's method."""
+        """The parameters (after `self`, for a method) of the installed library's method or function."""
         module, _, cls = self.owner.partition(":")
-        method = getattr(getattr(importlib.import_module(module), cls), self.name)
-        return tuple(inspect.signature(method).parameters)[1:]
+        owner = importlib.import_module(module)
+        method = getattr(getattr(owner, cls) if cls else owner, self.name)
+        return tuple(inspect.signature(method).parameters)[1 if cls else 0 :]
 
 
 _GRPO = "trl:GRPOTrainer"
@@ -74,6 +77,8 @@ OVERRIDDEN: tuple[PrivateMethod, ...] = (
                   ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
                    "compute_aux_loss", *_MULTIMODAL_INPUTS), "trainer: engine.shared_prefix"),
     PrivateMethod(_GRPO, "_tokenize_prompts", ("prompts",), "tests: TRL's own tokenisation of a batch"),
+    PrivateMethod("transformers:Trainer", "_load_from_checkpoint", ("resume_from_checkpoint", "model"),
+                  "trainer: full weights resumed under the model's names (checkpoints.load_full_weights)"),
 )
 _GENERATION = "transformers:GenerationMixin"
 CALLED: tuple[PrivateMethod, ...] = (
@@ -86,6 +91,11 @@ CALLED: tuple[PrivateMethod, ...] = (
                    "negative_prompt_attention_mask"), "logits_processors"),
     PrivateMethod(_GENERATION, "_prepare_position_ids_for_generation", ("inputs_tensor", "model_kwargs"),
                   "generation_position_ids"),
+)
+# transformers' internals the checkpoint code calls (module-level functions).
+CHECKPOINT_LOADING: tuple[PrivateMethod, ...] = (
+    PrivateMethod("transformers.core_model_loading", "revert_weight_conversion", ("model", "state_dict"),
+                  "checkpoints.load_full_weights: the saved names of the model's weights"),
 )
 # fmt: on
 TRAINER_ATTRIBUTES = (
@@ -101,7 +111,7 @@ TRAINER_ATTRIBUTES = (
 FUSED_LM_HEAD_KEYWORDS = ("fused_lm_head", "shift_labels")
 
 
-def signature_drift(methods: tuple[PrivateMethod, ...] = (*OVERRIDDEN, *CALLED)) -> list[str]:
+def signature_drift(methods: tuple[PrivateMethod, ...] = (*OVERRIDDEN, *CALLED, *CHECKPOINT_LOADING)) -> list[str]:
     """Each of `methods` whose installed parameters differ from the tested ones, as one line naming it."""
     drift = []
     for method in methods:

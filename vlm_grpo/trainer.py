@@ -6,7 +6,8 @@ overrides only these hooks:
   datasets (bad rows raise or are skipped before training), refuses a model with nothing to train,
   checks reward functions on every call, and registers the requires-grad hooks so checkpointed vision
   LoRA trains.
-- `train`: refuses, before the first step, a TRL that cannot compute GRPO log-probs on this device.
+- `train`: refuses, before the first step, a TRL that cannot compute GRPO log-probs on this device; `True` for
+  `resume_from_checkpoint` is the newest *complete* checkpoint (`vlm_grpo.checkpoints`).
 - `_generate_and_score_completions`: images loaded from any format, normalised, fitted to the pixel
   budget (`vlm_grpo.pixel_budget`) and given as `images` lists; plain-string prompts with images turned
   into chat messages.
@@ -19,6 +20,8 @@ overrides only these hooks:
   `vlm_grpo.engine.quantized_generation`'s stand-ins) unless TRL's vLLM path or a
   setting it cannot serve is in use (then TRL's `model.generate`, with a one-time log line naming why).
 - `save_model`: also writes the model under FSDP with sharded checkpoints (transformers writes nothing there).
+- `_load_from_checkpoint` (transformers'): full weights resumed under the model's own names
+  (`vlm_grpo.checkpoints.load_full_weights`); transformers loads the Hub names they are saved under as they are.
 - `_get_per_token_logps_and_entropies`: each group's prompt and images computed once (`vlm_grpo.engine.shared_prefix`),
   same log-probs and gradients; TRL's per-row forward for what it cannot serve (a one-time log line naming why).
 Everything else (losses, GSPO, vLLM, logging, checkpointing) is TRL's own. The private TRL names touched here are
@@ -35,6 +38,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
 
+from .checkpoints import load_full_weights, newest_complete_checkpoint
 from .compat import (
     CHECKPOINTING_ARG,
     checkpointing_from_args,
@@ -246,10 +250,18 @@ class VLMGRPOTrainer(GRPOTrainer):
         )
         self._fast_generation_fallbacks: set[str] = set()
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
-        """`Trainer.train`, after checking this TRL can compute GRPO log-probs on this device."""
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """`Trainer.train`, after checking this TRL can compute GRPO log-probs on this device.
+
+        `resume_from_checkpoint=True` resumes from the newest *complete* checkpoint in `output_dir`
+        (`vlm_grpo.checkpoints`), where transformers would take the newest one, even one cut short by a kill.
+        """
         _check_trl_device_support(self.accelerator.device)
-        return super().train(*args, **kwargs)
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = newest_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No complete checkpoint to resume from in {self.args.output_dir}.")
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """`Trainer.save_model`, which also writes the model under FSDP with sharded checkpoints.
@@ -264,6 +276,15 @@ class VLMGRPOTrainer(GRPOTrainer):
         self._save(output_dir or self.args.output_dir, state_dict=self.accelerator.get_state_dict(self.model))
         if self.args.push_to_hub:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        # transformers reloads a checkpoint's full weights with `load_state_dict` under the names they were saved with,
+        # the Hub's (Qwen2.5-VL's `model.layers.*`), not the model's (`model.language_model.layers.*`): only the LM
+        # head would resume, the rest silently left as it was (transformers #43701). Sharded models (loaded after
+        # `prepare`, by FSDP / DeepSpeed) and adapters load as transformers does.
+        sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
+        if sharded or not load_full_weights(self.model if model is None else model, resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         inputs = [prepare_row(row, self.pixel_budget) for row in inputs]
