@@ -161,16 +161,17 @@ class BaseWeightBackup:
         self._saved.append((weight, entry[1]))
 
     def restore(self) -> None:
-        """Copy every saved weight back, and note its version so an untouched weight keeps its host copy."""
-        on_cuda = False
+        """Copy every saved weight back, and note its version so an untouched weight keeps its host copy.
+
+        The copies are queued on the current stream and the host does not wait for them: the next kernel that reads
+        a weight runs after its copy, and a host copy is only rewritten (`save`) by a copy queued behind them, so the
+        CPU goes on to decode the completions and score the rewards while the weights come back.
+        """
         for weight, original in self._saved:
             weight.copy_(original, non_blocking=True)
-            on_cuda |= weight.device.type == "cuda"
             if self.where == "host":
                 self._host[id(weight)] = (weight, original, weight._version, weight.data_ptr())
         self._saved = []
-        if self.where == "host" and on_cuda:
-            torch.cuda.current_stream().synchronize()  # the pinned sources must not be rewritten mid-copy
 
 
 @contextlib.contextmanager
