@@ -242,10 +242,11 @@ def main() -> None:
     with full_weights(trainer.model_wrapped):  # every rank gathers; the same numbers on each when shards agree
         unwrapped = trainer.accelerator.unwrap_model(trainer.model)
         record["checksum"] = float(sum(p.detach().double().sum() for p in unwrapped.parameters()))
-        digest = hashlib.sha256()
-        for p in unwrapped.parameters():
-            digest.update(p.detach().float().cpu().numpy().tobytes())
-        record["weights_sha256"] = digest.hexdigest()  # bit-identical replicas, not just equal sums
+        if record["sharding"] is None:  # replicas (DDP): bit-identical, not just equal sums
+            digest = hashlib.sha256()
+            for p in unwrapped.parameters():
+                digest.update(p.detach().float().cpu().numpy().tobytes())
+            record["weights_sha256"] = digest.hexdigest()
         if not args.full:
             record["lora_b"] = _lora_b_moved(unwrapped)
     final = os.path.join(args.out_dir, "final")
