@@ -9,6 +9,10 @@ rank when the replicas / shards agree) and which fast paths served the run. `--r
 given checkpoint; `--export` writes a merged checkpoint from the (sharded) model and checks its
 logits against the adapter model's on rank 0.
 
+`--dynamic_sampling` trains with `VLMGRPOConfig.dynamic_sampling` on a reward that is constant for half the prompts,
+and records the rounds, the trained batches' `frac_reward_zero_std` and each rank's groups with differing rewards
+per generation round.
+
 `--model` is a tiny family (`qwen2_5_vl`, built in code: the CPU tests) or a real architecture with random
 weights (`qwen2.5-vl-3b`, `qwen2.5-vl-7b`, from benchmarks/real_arch.py: the GPU runs).
 
@@ -20,6 +24,7 @@ sharding (`fully_shard` per decoder layer and vision block), checkpoints and the
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -52,6 +57,23 @@ def _varied_reward(prompts, completions, **kwargs) -> list[float]:
     return [float(len(str(c)) % 5) for c in completions]
 
 
+class _GradedReward:
+    """`_varied_reward` on the even-numbered prompts, 0 on the others (their groups never differ: dynamic sampling
+    drops them). Records, per call, the optimizer step and how many of this rank's groups had differing rewards."""
+
+    __name__ = "graded_reward"
+
+    def __init__(self, generations: int) -> None:
+        self.generations, self.calls = generations, []
+
+    def __call__(self, prompts, completions, number, trainer_state, **kwargs) -> list[float]:
+        varied = _varied_reward(prompts, completions)
+        rewards = [r if n % 2 == 0 else 0.0 for r, n in zip(varied, number, strict=True)]
+        groups = [rewards[i : i + self.generations] for i in range(0, len(rewards), self.generations)]
+        self.calls.append((trainer_state.global_step, sum(len(set(g)) > 1 for g in groups)))
+        return rewards
+
+
 def _model_and_data(name: str, out_dir: str, rank: int, image_size: int, full: bool, seed: int, dtype: torch.dtype):
     import numpy as np
     from datasets import Dataset
@@ -77,6 +99,8 @@ def _model_and_data(name: str, out_dir: str, rank: int, image_size: int, full: b
     rows = [{"prompt": [{"role": "user", "content": "What colour is the shape ?"}],
              "image": Image.fromarray(rng.integers(0, 256, (image_size, image_size, 3), dtype=np.uint8))}
             for _ in range(64)]  # fmt: skip
+    for number, row in enumerate(rows):
+        row["number"] = number
     return model, processor, Dataset.from_list(rows), path
 
 
@@ -142,6 +166,8 @@ def main() -> None:
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dynamic_sampling", action="store_true",
+                        help="dynamic sampling, with a reward constant on half the prompts")  # fmt: skip
     parser.add_argument(
         "--no_compile", action="store_true", help="eager fast generation (fast_generation_compile=False)"
     )
@@ -182,10 +208,12 @@ def main() -> None:
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),
         fast_generation_compile=False if args.no_compile else None,
+        dynamic_sampling=args.dynamic_sampling, max_sampling_rounds=8,
     )  # fmt: skip
     if not args.full:
         model = FastVisionModel.get_peft_model(model, r=16, lora_alpha=16, random_state=args.seed)
-    trainer = VLMGRPOTrainer(model, [_varied_reward], args=config, train_dataset=dataset, processing_class=processor)
+    reward = _GradedReward(args.generations) if args.dynamic_sampling else _varied_reward
+    trainer = VLMGRPOTrainer(model, [reward], args=config, train_dataset=dataset, processing_class=processor)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -205,12 +233,20 @@ def main() -> None:
         "fast_generation": trainer.fast_generator.stats, "fast_generation_fallbacks": sorted(trainer._fast_generation_fallbacks),
         "shared_prefix_calls": trainer.shared_prefix_calls,
         "shared_prefix_fallbacks": getattr(trainer, "shared_prefix_fallbacks", {}),
+        "frac_reward_zero_std": [h.get("frac_reward_zero_std") for h in history],
+        "sampling_rounds": [h.get("dynamic_sampling/rounds") for h in history],
+        "reward_calls": getattr(reward, "calls", None),
     }  # fmt: skip
     if record["sharding"] == "fsdp2":  # every gather for generation was given back: the weights are shards again
         record["resharded"] = all(type(p).__name__ == "DTensor" for p in trainer.model_wrapped.parameters())
     with full_weights(trainer.model_wrapped):  # every rank gathers; the same numbers on each when shards agree
         unwrapped = trainer.accelerator.unwrap_model(trainer.model)
         record["checksum"] = float(sum(p.detach().double().sum() for p in unwrapped.parameters()))
+        if record["sharding"] is None:  # replicas (DDP): bit-identical, not just equal sums
+            digest = hashlib.sha256()
+            for p in unwrapped.parameters():
+                digest.update(p.detach().float().cpu().numpy().tobytes())
+            record["weights_sha256"] = digest.hexdigest()
         if not args.full:
             record["lora_b"] = _lora_b_moved(unwrapped)
     final = os.path.join(args.out_dir, "final")

@@ -116,6 +116,7 @@ def test_help_starts_with_what_the_command_does(tmp_path):
         (["--adam_beta2", "1.5"], "--adam_beta2 must be in [0, 1)"),
         (["--resume_from_checkpoint", "runs/nowhere/checkpoint-20"], "runs/nowhere/checkpoint-20: no such directory"),
         (["--resume_from_checkpoint", "--overwrite_output_dir"], "choose one"),
+        (["--dynamic_sampling", "--max_sampling_rounds", "0"], "max_sampling_rounds must be >= 1"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_status_2_with_nothing_written(tmp_path, capsys, monkeypatch, args, message):
@@ -485,3 +486,26 @@ def test_resuming_inside_a_generation_batch_is_said(uninterrupted, capsys):
     )
     resume_checkpoint(script, config)
     assert "generation batch" not in capsys.readouterr().out
+def constant_reward(prompts, completions, **kwargs):
+    """Every completion the same reward: GRPO has nothing to learn (imported by path in the test below)."""
+    return [1.0] * len(completions)
+
+
+@pytest.mark.trains
+def test_dynamic_sampling_from_the_command_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "run"
+    # 8 completions per prompt: the untrained model seldom names the colour, so small groups rarely differ.
+    small = ["--train_size", "16", "--test_size", "2", "--disable_tqdm", "true", *TINY_RUN,
+             "--per_device_train_batch_size", "16", "--num_generations", "8"]  # fmt: skip
+    assert main(["--output_dir", str(out), "--dynamic_sampling", "--max_sampling_rounds", "3", *small]) == 0
+    steps = [r for r in _metrics(out) if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(1 <= r["dynamic_sampling/rounds"] <= 3 and "frac_reward_zero_std" in r for r in steps)
+    # A reward that never varies: one line saying why, exit status 1, after the rounds of the first step.
+    capsys.readouterr()
+    flags = ["--output_dir", str(tmp_path / "constant"), "--dynamic_sampling", "--reward_funcs",
+             "test_cli:constant_reward", "--accuracy_reward", "test_cli:constant_reward", *small]  # fmt: skip
+    assert main(flags) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("vlm-grpo: error: dynamic_sampling: all ") and "rewards seen: 1)" in err

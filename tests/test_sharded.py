@@ -152,3 +152,22 @@ def test_fast_generation_compile_defaults_off_for_sharded_models():
     assert _compile_default(args, sharded=False) is None  # None: on for CUDA
     args.fast_generation_compile = True
     assert _compile_default(args, sharded=True) is True  # an explicit choice is kept
+
+
+@pytest.mark.slow
+@pytest.mark.trains
+def test_dynamic_sampling_keeps_two_ranks_in_step_when_they_need_different_rounds(tmp_path):
+    script = os.path.join(ROOT, "benchmarks", "distributed_train.py")
+    _launch([script, str(tmp_path), "--steps", "3", "--dynamic_sampling", "--full", "--lr", "1e-4"], 29576)
+    records = _records(tmp_path)
+    for r in records:
+        assert r["steps"] == 3 and r["finite"] and r["logged_steps"] == [1, 2, 3]
+        assert r["frac_reward_zero_std"] == [0.0, 0.0, 0.0]  # every trained batch: only groups whose rewards differ
+    assert records[0]["weights_sha256"] == records[1]["weights_sha256"]  # bit-identical replicas
+    calls = [[tuple(c) for c in r["reward_calls"]] for r in records]
+    # The same rounds on both ranks (each round is one reward call per rank, at the same step)...
+    assert [step for step, _ in calls[0]] == [step for step, _ in calls[1]]
+    assert [sum(step == s for s, _ in calls[0]) for step in range(3)] == records[0]["sampling_rounds"]
+    # ...though the ranks found their informative groups at different rounds: one waited on the other.
+    assert any(a != b for (_, a), (_, b) in zip(calls[0], calls[1], strict=True))
+    assert max(records[0]["sampling_rounds"]) > 1

@@ -135,6 +135,20 @@ class VLMGRPOConfig(GRPOConfig):
                   "settings it cannot serve (e.g. FlashAttention) fall back to TRL's per-row forward, logged once."},
     )  # fmt: skip
 
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={"help": "DAPO dynamic sampling: groups whose completions all earn the same reward (zero advantage, "
+                  "no gradient) are dropped after scoring, and the next prompts in the sampler's order are generated "
+                  "until every process's batch holds its configured number of groups with differing rewards. Costs "
+                  "extra generation rounds (at most max_sampling_rounds per batch); the optimizer steps and the batch "
+                  "size stay as configured. See vlm_grpo.dynamic_sampling."},
+    )  # fmt: skip
+    max_sampling_rounds: int = field(
+        default=4,
+        metadata={"help": "With dynamic_sampling: the most generation rounds for one batch. When they leave it short, "
+                  "it is filled with zero-std groups (zero advantage; logged as dynamic_sampling/cap_hit)."},
+    )  # fmt: skip
+
     def __post_init__(self) -> None:
         if CHECKPOINTING_ARG == "activation_checkpointing":
             if self.activation_checkpointing is None and self.gradient_checkpointing is None:
@@ -155,3 +169,23 @@ class VLMGRPOConfig(GRPOConfig):
                 f"got {self.fast_generation_quantized!r}."
             )
         super().__post_init__()
+        self._check_dynamic_sampling()
+
+    def _check_dynamic_sampling(self) -> None:
+        if self.max_sampling_rounds < 1:
+            raise ValueError(f"max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}.")
+        if not self.dynamic_sampling:
+            return
+        rows = self.per_device_train_batch_size * self.steps_per_generation
+        if rows % self.num_generations:
+            # Each process filters its own groups: a group split across processes could not be kept or dropped whole.
+            raise ValueError(
+                f"dynamic_sampling needs each process's generation batch (per_device_train_batch_size x "
+                f"steps_per_generation = {rows} rows) to hold whole groups of num_generations={self.num_generations}: "
+                "make it a multiple of num_generations."
+            )
+        if self.remove_unused_columns:
+            raise ValueError(
+                "dynamic_sampling reads training rows itself, with every column (the rewards read them): set "
+                "remove_unused_columns=False (TRL's default for GRPO)."
+            )

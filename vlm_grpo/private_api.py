@@ -107,6 +107,12 @@ TRAINER_ATTRIBUTES = (
     "environment_factories",
     "generation_config",
     "generation_kwargs",
+    "num_generations",  # dynamic_sampling: group size, reward weights, metrics, micro-step and dataset order
+    "reward_weights",
+    "_metrics",
+    "_step",
+    "shuffle_dataset",
+    "num_iterations",
 )  # fmt: skip
 FUSED_LM_HEAD_KEYWORDS = ("fused_lm_head", "shift_labels")
 

@@ -7,14 +7,17 @@ overrides only these hooks:
   checks reward functions on every call, and registers the requires-grad hooks so checkpointed vision
   LoRA trains.
 - `train`: refuses, before the first step, a TRL that cannot compute GRPO log-probs on this device; `True` for
-  `resume_from_checkpoint` is the newest *complete* checkpoint (`vlm_grpo.checkpoints`).
+  `resume_from_checkpoint` is the newest *complete* checkpoint (`vlm_grpo.checkpoints`); restarts dynamic sampling's
+  prompt stream (from the checkpoint when resuming).
 - `_generate_and_score_completions`: images loaded from any format, normalised, fitted to the pixel
   budget (`vlm_grpo.pixel_budget`) and given as `images` lists; plain-string prompts with images turned
-  into chat messages.
+  into chat messages. With `dynamic_sampling`, a training batch is built by `vlm_grpo.dynamic_sampling` from rounds
+  of these calls, keeping the groups whose rewards differ.
 - `_tokenize_prompts`: each distinct prompt tokenised and its images processed once, the outputs repeated for its
   group (TRL processes every repeated row).
 - `_generate`: text-only rows in a batch with images get `[]` images (TRL's None breaks the processor).
-- `_calculate_rewards`: rows whose prompt was a string reach the rewards as strings again.
+- `_calculate_rewards`: rows whose prompt was a string reach the rewards as strings again; the rewards (of every
+  process) are kept for dynamic sampling's filter.
 - `_generate_single_turn`: the model switched to inference mode for generation and back after; completions
   from `vlm_grpo.engine.fast_generation` (one prefill per prompt group, compiled decode; 4-bit / 8-bit layers through
   `vlm_grpo.engine.quantized_generation`'s stand-ins) unless TRL's vLLM path or a
@@ -46,6 +49,7 @@ from .compat import (
     quiet_third_party_checkpointing_deprecations,
 )
 from .config import VLMGRPOConfig
+from .dynamic_sampling import DynamicSampler, DynamicSamplingState
 from .engine.batch_layout import distinct_prompts, select_rows
 from .engine.fast_generation import FastGenerator, FastPathUnavailable
 from .engine.sharded import full_weights
@@ -249,6 +253,9 @@ class VLMGRPOTrainer(GRPOTrainer):
             quantized=getattr(args, "fast_generation_quantized", "auto"),
         )
         self._fast_generation_fallbacks: set[str] = set()
+        self.dynamic_sampler = DynamicSampler(self) if getattr(args, "dynamic_sampling", False) else None
+        if self.dynamic_sampler is not None:
+            self.add_callback(DynamicSamplingState())  # carries its position into checkpoints
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`, after checking this TRL can compute GRPO log-probs on this device.
@@ -261,6 +268,8 @@ class VLMGRPOTrainer(GRPOTrainer):
             resume_from_checkpoint = newest_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"No complete checkpoint to resume from in {self.args.output_dir}.")
+        if self.dynamic_sampler is not None:
+            self.dynamic_sampler.restart()
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -287,6 +296,13 @@ class VLMGRPOTrainer(GRPOTrainer):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        if self.dynamic_sampler is not None and self.model.training:
+            # The prompts come from the sampler's stream (the same order as `inputs`, which only sets the batch size).
+            return self.dynamic_sampler.fill(len(inputs))
+        return self._score_rollouts(inputs)
+
+    def _score_rollouts(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """TRL's generation and scoring of dataset rows `inputs` (each prompt repeated for its group)."""
         inputs = [prepare_row(row, self.pixel_budget) for row in inputs]
         inputs = add_image_sizes(inputs, self.processing_class)  # grounding rewards map boxes back
         with quiet_third_party_checkpointing_deprecations():  # TRL's step reads transformers' old checkpointing name
@@ -321,7 +337,8 @@ class VLMGRPOTrainer(GRPOTrainer):
             return self.processing_class.batch_decode(ids, skip_special_tokens=True)
 
         inputs, prompts, completions = rows_for_rewards(inputs, prompts, completions, completion_ids_list, decode)
-        return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._last_rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        return self._last_rewards_per_func
 
     def _generate_single_turn(self, *args: Any, **kwargs: Any):
         # Inference mode while generating, then exactly the mode the model was in (train or eval, checkpointing as
