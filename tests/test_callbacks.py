@@ -17,6 +17,7 @@ from vlm_grpo.callbacks import (
     RewardProgressBar,
     completion_samples,
     in_notebook,
+    library_bars_off,
     plot_reward_curve,
     reward_summary,
 )
@@ -157,3 +158,22 @@ def test_reward_curve_png_is_written_whole_from_the_metrics_file(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curve.png", "metrics.jsonl"]  # no temporary left
     plot_reward_curve(metrics, tmp_path / "no-eval.png", title="no held-out set")  # NaN before/after: no lines
     assert Image.open(tmp_path / "no-eval.png").size == (720, 420)
+
+
+def test_library_bars_off_hides_transformers_bars_inside_and_restores_them_after(capsys):
+    from transformers.utils import logging as transformers_logging
+
+    assert transformers_logging.is_progress_bar_enabled()
+    with library_bars_off():
+        for _ in transformers_logging.tqdm(range(3), desc="Writing model shards"):
+            pass
+        assert not transformers_logging.is_progress_bar_enabled()
+    assert "Writing model shards" not in capsys.readouterr().err
+    assert transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:  # a caller's own choice (bars off) is kept
+        with library_bars_off():
+            pass
+        assert not transformers_logging.is_progress_bar_enabled()
+    finally:
+        transformers_logging.enable_progress_bar()
