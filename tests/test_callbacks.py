@@ -18,6 +18,7 @@ from vlm_grpo.callbacks import (
     completion_samples,
     in_notebook,
     keep_records_up_to,
+    library_bars_off,
     plot_reward_curve,
     reward_summary,
 )
@@ -184,3 +185,22 @@ def test_metrics_file_is_not_touched_before_training_begins(tmp_path):
     metrics.write_text('{"step": 1}\n')
     MetricsJsonlCallback(metrics)
     assert metrics.read_text() == '{"step": 1}\n'
+
+
+def test_library_bars_off_hides_transformers_bars_inside_and_restores_them_after(capsys):
+    from transformers.utils import logging as transformers_logging
+
+    assert transformers_logging.is_progress_bar_enabled()
+    with library_bars_off():
+        for _ in transformers_logging.tqdm(range(3), desc="Writing model shards"):
+            pass
+        assert not transformers_logging.is_progress_bar_enabled()
+    assert "Writing model shards" not in capsys.readouterr().err
+    assert transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:  # a caller's own choice (bars off) is kept
+        with library_bars_off():
+            pass
+        assert not transformers_logging.is_progress_bar_enabled()
+    finally:
+        transformers_logging.enable_progress_bar()

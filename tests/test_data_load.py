@@ -1,6 +1,7 @@
 """vlm_grpo.data.load: own datasets on disk -> GRPO rows (the end-to-end runs per format are in test_cli.py)."""
 
 import json
+import re
 
 import pytest
 from PIL import Image
@@ -72,3 +73,40 @@ def test_chat_prompts_get_the_system_prompt_once():
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Hi?"}]], "answer": ["1"]})
     out = to_grpo_rows(data, system_prompt="Be brief.")
     assert out[0]["prompt"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("train.jsonl", '{"prompt": "Q", "answer": "1"}\n\n{"prompt": "Q", "answer": }\n', "line 3: not valid JSON"),
+        ("train.jsonl", '{"prompt": "Q"}\n["Q", "1"]\n', "line 2: a row must be a JSON object"),
+        ("train.json", '[{"prompt": "Q", "answer": "1"},\n {"prompt": "Q", "answer"}]\n', "line 2: not valid JSON"),
+        ("train.jsonl", "", "is empty (0 bytes)"),
+        ("train.jsonl", "\n \n", "has no rows"),
+        ("train.json", "[]", "has no rows"),
+        ("train.csv", "prompt,answer\n", "has no rows"),
+    ],
+)
+def test_malformed_and_empty_files_name_the_file_and_line(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(DatasetError, match="^" + re.escape(f"{path} {message}")):
+        load_grpo_dataset(str(path))
+
+
+def test_rows_with_missing_or_corrupt_images_are_skipped_by_their_line_before_the_split(tmp_path, caplog):
+    _jsonl(tmp_path, [])  # the images img/0..2.png
+    (tmp_path / "img" / "bad.png").write_bytes(b"not a png")
+    csv = tmp_path / "train.csv"
+    # A quoted question over two lines: the next row starts a line later than its index says.
+    csv.write_text('prompt,image,answer\n"Which\ncolour?",img/0.png,red\nQ,img/gone.png,red\n\nQ,img/bad.png,red\n'
+                   "Q,img/1.png,red\nQ,img/2.png,red\n")  # fmt: skip
+    with caplog.at_level("WARNING"):
+        train, test = load_grpo_dataset(str(csv), test_size=1, stop_hint="--no_skip_bad_rows")
+    assert len(train) + len(test) == 3
+    assert f"{csv}: skipped 2 of 5 rows with missing or unreadable images (--no_skip_bad_rows" in caplog.text
+    assert "line 4, image 0: image file not found" in caplog.text and "line 6, image 0: image file" in caplog.text
+    with pytest.raises(DatasetError, match="line 4, image 0: image file not found"):
+        load_grpo_dataset(str(csv), skip_bad_rows=False)
+    # Without decoding every image, a missing file is still found; the corrupt one is left to the trainer's check.
+    assert len(load_grpo_dataset(str(csv), check_images=False)[0]) == 4

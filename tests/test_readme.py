@@ -2,6 +2,8 @@
 
 import os
 import re
+import stat
+import warnings
 
 import pytest
 
@@ -14,14 +16,39 @@ def _readme() -> str:
 
 
 @pytest.mark.trains
-def test_quickstart_runs_as_pasted(tmp_path, monkeypatch):
+def test_quickstart_runs_as_pasted(tmp_path, monkeypatch, capsys):
     code = re.search(r"## Quickstart\s+```python\n(.*?)```", _readme(), re.DOTALL).group(1)
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
-    exec(compile(code, "README-quickstart", "exec"), namespace)  # noqa: S102  (the README's code, run as pasted)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.filterwarnings("always", message=".*pin_memory.*")  # shown however often it came before
+        exec(compile(code, "README-quickstart", "exec"), namespace)  # noqa: S102  (the README's code, run as pasted)
     trainer = namespace["trainer"]
     assert trainer.state.global_step == 5
     assert (tmp_path / "runs" / "quickstart" / "merged" / "config.json").exists()
+    # Quiet: no pin_memory warning on a CPU, no dict of training results printed, only the bar.
+    assert not [w for w in caught if "pin_memory" in str(w.message)]
+    output = capsys.readouterr()
+    assert "{'train_runtime'" not in output.out + output.err and "{'loss'" not in output.out + output.err
+    # The tiny model is written where the quickstart says, not left in a private temporary directory.
+    weights = tmp_path / "runs" / "quickstart" / "tiny-base" / "model.safetensors"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(weights.stat().st_mode) == 0o666 & ~umask
+
+
+def test_setup_takes_a_newcomer_from_clone_to_the_demo():
+    setup = re.search(r"```bash\n(.*?)```", _readme(), re.DOTALL).group(1)
+    assert "git clone" in setup and "cd vlm-grpo" in setup and "python3 -m venv .venv" in setup
+    assert "Python >= 3.10" in setup and "pip install -e ." in setup and "vlm-grpo --output_dir runs/demo" in setup
+    with open(os.path.join(ROOT, "setup.cfg")) as f:
+        assert "python_requires = >=3.10" in f.read()
+    # A machine without a GPU: PyTorch's CPU wheel index, as PyTorch's install instructions give it.
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in _readme()
+    # Every output the command writes is listed, tiny-base/ too (cli.py's "wrote ..." line names the same).
+    outputs = _readme()[_readme().index("| output | what it is |") :].split("\n\n")[0]
+    for name in ("metrics.jsonl", "reward_curve.png", "eval.json", "final/", "tiny-base/"):
+        assert f"| `{name}` |" in outputs
 
 
 def test_ci_runs_the_readme_test_command():

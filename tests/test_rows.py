@@ -44,10 +44,25 @@ def test_check_dataset_skips_unreadable_rows_with_reasons():
     assert len(checked) == 2 and skipped.indices == [1] and "row 1" in skipped.reasons[0]
 
 
-def test_every_row_unreadable_is_an_error():
-    dataset = Dataset.from_list([{"prompt": "q", "image": {"bytes": b"nope", "path": None}}])
-    with pytest.raises(ValueError, match="every row has an unreadable image"):
-        check_dataset(dataset)
+def test_missing_and_corrupt_images_share_one_policy_skipped_up_to_half_the_rows(tmp_path, caplog):
+    Image.new("RGB", (8, 8)).save(tmp_path / "ok.png")
+    (tmp_path / "corrupt.png").write_bytes(_png()[:30])
+    ok, corrupt, missing = (str(tmp_path / n) for n in ("ok.png", "corrupt.png", "missing.png"))
+
+    def rows(*paths):
+        return Dataset.from_list([{"prompt": "q", "image": p} for p in paths]).cast_column("image", ImageFeature())
+
+    with caplog.at_level("WARNING"):
+        checked, skipped = check_dataset(rows(ok, missing, ok, corrupt))  # 2 of 4: half is still skipped
+    assert len(checked) == 2 and skipped.indices == [1, 3]
+    assert "not found" in skipped.reasons[0] and "not a readable image" in skipped.reasons[1]
+    assert "skipped 2 of 4 rows with missing or unreadable images (skip_bad_rows=False to stop" in caplog.text
+    # Without decoding, a missing file is still found (a stat), a corrupt one is left for later.
+    assert check_dataset(rows(ok, missing, ok, corrupt), check_images=False)[1].indices == [1]
+    with pytest.raises(ValueError, match=r"3 of 4 rows have missing or unreadable images, more than 50%"):
+        check_dataset(rows(ok, missing, missing, corrupt))
+    with pytest.raises(ValueError, match="row 1, image 0: image file not found"):
+        check_dataset(rows(ok, missing), skip_bad_rows=False)
 
 
 def test_iterable_datasets_are_checked_by_columns_only():

@@ -100,6 +100,20 @@ def test_dataset_task_scores_answers_by_default_and_holds_rows_out(tmp_path):
     assert graded.test is None and graded.accuracy is counting and graded.reward_weights == [0.5, 1.0]
 
 
+def test_dataset_task_words_are_every_word_of_the_prompts_and_answers_held_out_too(tmp_path):
+    # What an offline tiny model needs to read your data and say its answers (build_tiny_vlm(words=...)); the
+    # <image> placeholder is where the image goes, not words.
+    rows = [
+        {"question": "<image>What colour is it?", "answer": ["dark-red", "red"]},
+        {"question": "Shape?", "answer": 7},
+    ]
+    task = dataset_task(_jsonl(tmp_path, rows), test_size=1, system_prompt="Be brief.", prompt_template="{prompt} Go!")
+    assert task.answer_words == sorted(
+        {"What", "colour", "is", "it", "?", "dark", "-", "red", "Shape", "7", "Be", "brief", ".",
+         "Go", "!"}
+    )  # fmt: skip
+
+
 def test_dataset_task_without_answers_names_the_fix(tmp_path):
     path = _jsonl(tmp_path, [{"question": "What colour?", "label": "red"} for _ in range(4)])
     with pytest.raises(DatasetError, match="no answer column .* --answer_column, or give --reward_funcs"):

@@ -1,5 +1,6 @@
 import json
 import os
+import stat
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText
 
 from vlm_grpo.model import FastVisionModel
-from vlm_grpo.tiny import TINY_FAMILIES, build_tiny_vlm
+from vlm_grpo.tiny import MAX_LEARNABLE_WORDS, TINY_FAMILIES, build_tiny_vlm, offline_learning_note, split_words
 
 EXPECTED_TYPES = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
@@ -75,3 +76,36 @@ def test_bad_image_size_and_words(tmp_path):
         build_tiny_vlm("gemma3", tmp_path / "g", image_size=30)
     with pytest.raises(ValueError, match="single words"):
         build_tiny_vlm("gemma3", tmp_path / "g", words=["two words"])
+
+
+def test_without_a_directory_it_writes_to_a_named_cache_folder_that_follows_the_umask(tmp_path, monkeypatch):
+    # The README's quickstart used to leave a 0700 temporary directory behind, its weights 0600.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    old = os.umask(0o022)
+    try:
+        path = build_tiny_vlm("qwen2_5_vl", words=["magenta"])
+        assert build_tiny_vlm("qwen2_5_vl", words=["magenta"]) == path  # the same settings, the same folder
+    finally:
+        os.umask(old)
+    assert os.path.dirname(path) == str(tmp_path / "cache" / "vlm_grpo" / "tiny-models")
+    assert os.path.basename(path).startswith("qwen2_5_vl-") and path != build_tiny_vlm("qwen2_5_vl", seed=1)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o755
+    assert {stat.S_IMODE(os.stat(os.path.join(path, f)).st_mode) for f in os.listdir(path)} == {0o644}
+
+
+def test_split_words_is_how_the_tiny_tokenizer_splits(tmp_path):
+    text = "What colour is the square? Answer: 3.5 (New-York)"
+    path = build_tiny_vlm("qwen2_5_vl", tmp_path / "m", words=split_words(text))
+    _, processor = FastVisionModel.from_pretrained(path)
+    tokens = processor.tokenizer.tokenize(text)
+    assert tokens == split_words(text) and "<unk>" not in tokens
+
+
+def test_offline_learning_note_says_why_a_tiny_model_will_not_learn():
+    colours = ["red", "green", "blue"]
+    assert offline_learning_note(["What", "colour", "square", *colours], colours * 10) is None
+    several = offline_learning_note(["dark", "red"], ["dark red", "red", ["light blue", "blue"]])
+    assert several.startswith("1 of 3 gold answers are several tokens to the offline tiny model (e.g. 'dark red'")
+    assert offline_learning_note(["3", ".", "5"], ["3.5"]).startswith("1 of 1 gold answers")  # 3 . 5: three tokens
+    many = offline_learning_note([f"word{i}" for i in range(MAX_LEARNABLE_WORDS)], colours)
+    assert f"over {MAX_LEARNABLE_WORDS}" in many and "--model" in many

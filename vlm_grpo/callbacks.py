@@ -7,17 +7,23 @@
   in Jupyter at every logging step; one text line per logging step elsewhere.
 - `RewardProgressBar` / `RewardPrinter`: transformers' progress bar with the few numbers worth watching in its
   postfix, or one short line per logging step, in place of a printed dict per log (what `vlm-grpo` shows).
+- `library_bars_off`: transformers' own bars ("Loading weights", "Writing model shards") off for a block, where a
+  model loads or saves in no time (the tiny model, the KL reference, the final save) and its bar would sit between
+  ours.
 - `plot_reward_curve`: the mean training reward of a `metrics.jsonl`, with the held-out accuracy before and
   after, as a PNG (`reward_curve.png`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
 import math
 import os
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from transformers import ProgressCallback, TrainerCallback
@@ -32,9 +38,29 @@ __all__ = [
     "completion_samples",
     "in_notebook",
     "keep_records_up_to",
+    "library_bars_off",
     "plot_reward_curve",
     "reward_summary",
 ]
+
+
+@contextlib.contextmanager
+def library_bars_off() -> Iterator[None]:
+    """transformers' progress bars (and huggingface_hub's, which transformers switches with its own) off inside the
+    block, back as they were after it."""
+    from transformers.utils import logging as transformers_logging
+
+    was_on = transformers_logging.is_progress_bar_enabled()
+    with warnings.catch_warnings():  # huggingface_hub warns when HF_HUB_DISABLE_PROGRESS_BARS already decides
+        warnings.simplefilter("ignore")
+        transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                transformers_logging.enable_progress_bar()
 
 
 def in_notebook() -> bool:

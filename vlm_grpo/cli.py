@@ -7,9 +7,10 @@
 
 It prints held-out accuracy before and after training and writes to `--output_dir`: `metrics.jsonl` (one line
 per logging step, with a few sample completions), `reward_curve.png`, `eval.json` and `final/` (the trained
-checkpoint with its processor, written atomically). With `--save_strategy steps`, a killed run continues with
-`--resume_from_checkpoint` (its newest complete checkpoint), `metrics.jsonl` keeping every step once; a new run into
-a directory holding checkpoints is refused unless `--overwrite_output_dir`.
+checkpoint with its processor, written atomically), and for a `tiny:` model `tiny-base/`, the model it started from.
+With `--save_strategy steps`, a killed run continues with `--resume_from_checkpoint` (its newest complete
+checkpoint), `metrics.jsonl` keeping every step once; a new run into a directory holding checkpoints is refused unless
+`--overwrite_output_dir`.
 
 `main()` is the console script (returns the exit status); `run(script, config)` is for Python callers. The flags
 and their checks are `vlm_grpo.cli_args`, what to train on is a `vlm_grpo.task.Task`, the defaults are the demo's
@@ -18,6 +19,7 @@ and their checks are `vlm_grpo.cli_args`, what to train on is a `vlm_grpo.task.T
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -37,7 +39,6 @@ from .cli_args import (
     resume_checkpoint,
     short_help,
 )
-from .compat import checkpointing_from_args
 from .demo import DEMO
 
 if TYPE_CHECKING:
@@ -71,37 +72,55 @@ def build_task(script: ScriptArguments, config: Any) -> Task:
             test_size=0.1 if script.test_size is None else script.test_size, seed=config.seed,
             prompt_column=script.prompt_column, image_column=script.image_column, answer_column=script.answer_column,
             system_prompt=script.system_prompt, prompt_template=script.prompt_template, **rewards,
+            check_images=config.check_images, skip_bad_rows=config.skip_bad_rows, stop_hint="--no_skip_bad_rows",
         )  # fmt: skip
     except OSError as error:  # a missing file, or a Hub id that cannot be fetched
         raise UsageError(f"--dataset {script.dataset}: cannot load it ({type(error).__name__}: {error}).") from error
     except ValueError as error:  # DatasetError, or rows the trainer would refuse (placeholders vs images)
-        raise UsageError(f"--dataset {script.dataset}: {error}") from error
+        where = "" if script.dataset in str(error) else f"--dataset {script.dataset}: "  # said once
+        raise UsageError(f"{where}{error}") from error
     finally:
         datasets.enable_progress_bars()
 
 
+def _note_if_unlearnable(task: Task) -> None:
+    """One line, before any time is spent, when the offline tiny model (its vocabulary: your data's words) is unlikely
+    to learn your data."""
+    from .tiny import offline_learning_note
+
+    answers = task.train["answer"] if "answer" in task.train.column_names else []
+    note = offline_learning_note(task.answer_words or [], answers)
+    if note:
+        print(f"{PROG}: note: {note}", file=sys.stderr, flush=True)
+
+
 def _load(script: ScriptArguments, config: Any, words: list[str] | None) -> tuple[Any, Any]:
     """The model and processor `--model` names (a tiny one is built first, knowing `words`), with LoRA if asked."""
+    from .callbacks import library_bars_off
+    from .compat import checkpointing_from_args
     from .lora_selection import LoraSelection
     from .model import FastBaseVisionModel
     from .tiny import build_tiny_vlm
 
     path = script.model
     checkpointing = checkpointing_from_args(config)[0]
-    if path.startswith(TINY_PREFIX):
+    tiny = path.startswith(TINY_PREFIX)
+    if tiny:
         family, path = path[len(TINY_PREFIX) :], os.path.join(config.output_dir, "tiny-base")
         # Under `accelerate launch` only global rank 0 may write it (transformers' save_pretrained writes on rank 0
         # only); the other ranks load it once it is complete. Several machines need a shared output_dir for this.
         with config.main_process_first(local=False, desc="building the tiny model"):
             if config.process_index == 0:
                 build_tiny_vlm(family, path, seed=config.seed, words=words)
-    model, processor = FastBaseVisionModel.from_pretrained(
-        path,
-        load_in_4bit=script.load_in_4bit,
-        load_in_8bit=script.load_in_8bit,
-        full_finetuning=not script.use_peft,
-        use_gradient_checkpointing=checkpointing,
-    )  # fmt: skip  (the pixel budget is applied by VLMGRPOTrainer and evaluate, for every family)
+    # A Hub model's download and loading bars are worth seeing; the tiny model loads in no time.
+    with library_bars_off() if tiny else contextlib.nullcontext():
+        model, processor = FastBaseVisionModel.from_pretrained(
+            path,
+            load_in_4bit=script.load_in_4bit,
+            load_in_8bit=script.load_in_8bit,
+            full_finetuning=not script.use_peft,
+            use_gradient_checkpointing=checkpointing,
+        )  # fmt: skip  (the pixel budget is applied by VLMGRPOTrainer and evaluate, for every family)
     if script.use_peft:
         model = FastBaseVisionModel.get_peft_model(
             model, r=script.lora_r, lora_alpha=script.lora_alpha,
@@ -152,15 +171,17 @@ def _clear_earlier_run(output_dir: str) -> None:
 
 def _save_final(trainer: Any, processor: Any, final: str) -> None:
     """The trained model and its processor to `final`, written atomically by rank 0."""
+    from .callbacks import library_bars_off
     from .export import atomic_directory
 
     # A collective (sharded weights are gathered on every rank); rank 0 writes.
     if trainer.accelerator.is_main_process:
-        with atomic_directory(final) as tmp:
+        with atomic_directory(final) as tmp, library_bars_off():
             trainer.save_model(tmp)
             processor.save_pretrained(tmp)
     else:
-        trainer.save_model(final)  # joins the gather; writes nothing off rank 0
+        with library_bars_off():
+            trainer.save_model(final)  # joins the gather; writes nothing off rank 0
     trainer.accelerator.wait_for_everyone()
 
 
@@ -169,7 +190,7 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     `after/…`; empty without a held-out set). Raises `UsageError` for bad arguments, before writing anything."""
     import torch
 
-    from .callbacks import plot_reward_curve
+    from .callbacks import library_bars_off, plot_reward_curve
     from .engine.sharded import full_weights
     from .evaluation import evaluate
     from .reward_checks import reward_name
@@ -178,6 +199,8 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     check_args(script, config)
     resume = resume_checkpoint(script, config)
     task = build_task(script, config)
+    if script.dataset is not None and script.model.startswith(TINY_PREFIX):
+        _note_if_unlearnable(task)
     if not torch.cuda.is_available():
         torch.set_num_threads(script.torch_threads)
     os.makedirs(config.output_dir, exist_ok=True)
@@ -197,8 +220,9 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
               flush=True)  # fmt: skip
 
     metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
-    trainer = VLMGRPOTrainer(model=model, reward_funcs=task.reward_funcs, args=config, train_dataset=task.train,
-                             processing_class=processor)  # fmt: skip
+    with library_bars_off():  # TRL loads the KL reference model again: a second "Loading weights" bar
+        trainer = VLMGRPOTrainer(model=model, reward_funcs=task.reward_funcs, args=config, train_dataset=task.train,
+                                 processing_class=processor)  # fmt: skip
     _show_progress(trainer, metrics_path, reward_name(task.accuracy))
     trainer.train(resume_from_checkpoint=resume)
     # Saved before the held-out evaluation, so a failure there cannot lose it.
@@ -219,7 +243,8 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     plot_reward_curve(metrics_path, os.path.join(config.output_dir, "reward_curve.png"),
                       title=f"GRPO: {task.name} — {script.model}", before=before.get("accuracy", math.nan),
                       after=results.get("after/accuracy", math.nan))  # fmt: skip
-    print(f"wrote {config.output_dir}/: metrics.jsonl, reward_curve.png, eval.json, final/", flush=True)
+    base = ", tiny-base/ (the model it started from)" if script.model.startswith(TINY_PREFIX) else ""
+    print(f"wrote {config.output_dir}/: metrics.jsonl, reward_curve.png, eval.json, final/{base}", flush=True)
     return results
 
 
@@ -234,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             build_parser().print_help()
             return 0
         if "-h" in argv or "--help" in argv:
-            print(short_help(build_parser()))
+            print(short_help(), end="")
             return 0
         results = run(*parse_args(argv))
     except UsageError as error:

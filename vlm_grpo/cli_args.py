@@ -16,7 +16,6 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .compat import CHECKPOINTING_ARG
 from .demo import DEMO
 from .families import model_types
 
@@ -35,25 +34,49 @@ __all__ = [
 TINY_PREFIX = "tiny:"
 AUTO = "auto"  # --resume_from_checkpoint's value for the newest complete checkpoint in --output_dir
 PROG = "vlm-grpo"
+USAGE = f"{PROG} [--config recipe.yaml] [options]   ({PROG} --help: main options; --help-all: every flag)"
 DESCRIPTION = """\
-GRPO (reinforcement learning with verifiable rewards) for vision-language models. Trains on a synthetic
-visual task or on your own dataset, prints held-out accuracy before and after, and writes metrics.jsonl,
-reward_curve.png, eval.json and the trained checkpoint (final/) to --output_dir.
+GRPO (reinforcement learning with verifiable rewards) for vision-language models: trains on a synthetic visual
+task or on your own dataset, prints held-out accuracy before and after, and writes metrics.jsonl, reward_curve.png,
+eval.json, final/ (the trained model) and, for a tiny: model, tiny-base/ (the model it started from) to --output_dir.
 
 examples:
-  vlm-grpo --output_dir runs/demo       # tiny model built offline, synthetic colour task, CPU, ~2 minutes
-  vlm-grpo --model Qwen/Qwen2.5-VL-3B-Instruct --load_in_4bit --use_peft \\
-      --dataset hiyouga/geometry3k --eval_split test --reward_funcs think_answer_format answer_accuracy \\
-      --prompt_template "{prompt} Think in <think></think>, then answer in <answer></answer>." \\
-      --max_completion_length 512 --output_dir runs/geo3k
+  vlm-grpo --output_dir runs/demo            # a tiny model built offline learns a colour task on CPU, ~2 minutes
+  vlm-grpo --dataset data/train.jsonl --output_dir runs/mine   # your data (the tiny model learns its words)
+  vlm-grpo --model Qwen/Qwen2.5-VL-3B-Instruct --load_in_4bit --use_peft --dataset hiyouga/geometry3k \\
+      --eval_split test --reward_funcs think_answer_format answer_accuracy --max_completion_length 512 \\
+      --prompt_template "{prompt} Think in <think></think>, then answer in <answer></answer>." --output_dir runs/geo3k
 """
-# The training flags shown by `--help`; `--help-all` lists all of TRL's GRPOConfig and transformers' TrainingArguments.
-COMMON_TRAINING_FLAGS = (
-    "output_dir", "max_steps", "num_train_epochs", "learning_rate", "per_device_train_batch_size", "num_generations",
-    "max_completion_length", "temperature", "beta", "logging_steps", "save_strategy", "seed",
-    CHECKPOINTING_ARG, "bf16", "min_pixels", "max_pixels", "use_vllm", "report_to", "disable_tqdm",
-    "resume_from_checkpoint",
-)  # fmt: skip
+# `--help`: the options most runs set, one line each: (flag, metavar, what it does). Defaults are read from
+# ScriptArguments and the demo's settings, so they cannot drift; tests/test_cli.py checks each is a real flag.
+# `--help-all` lists every flag with its full help.
+MAIN_OPTIONS: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "what to train": (
+        ("model", "ID|DIR", "a VLM: Hub id or directory, or tiny:<family> built offline"),
+        ("task", "NAME", "synthetic task: color, count, spatial, arithmetic, locate, position"),
+        ("dataset", "SOURCE", "your data: Hub id, JSONL / CSV / Parquet file, image folder, save_to_disk dir"),
+        ("prompt_column", "NAME", "your question column (also --image_column, --answer_column)"),
+        ("reward_funcs", "NAME ...", "vlm_grpo.rewards names or pkg.mod:fn (default: the task's own; answer_accuracy)"),
+        ("eval_split", "SPLIT", "held-out split for accuracy before/after (default: --test_size rows of --dataset)"),
+        ("prompt_template", "TEXT", '"{prompt} ..." around each question (also --system_prompt)'),
+        ("use_peft", "", "LoRA adapters (--lora_r, --finetune_vision_layers ...) instead of all weights"),
+        ("load_in_4bit", "", "4-bit base weights for QLoRA, CUDA + bitsandbytes (also --load_in_8bit)"),
+    ),
+    "how to train": (
+        ("output_dir", "DIR", "where everything is written"),
+        ("max_steps", "N", "optimizer steps"),
+        ("learning_rate", "LR", "AdamW learning rate"),
+        ("per_device_train_batch_size", "N", "completions per step: prompts x --num_generations"),
+        ("num_generations", "G", "completions per prompt, compared with each other (GRPO's group)"),
+        ("max_completion_length", "N", "tokens per completion"),
+        ("beta", "B", "KL coefficient against the starting model"),
+        ("logging_steps", "N", "steps between records in metrics.jsonl"),
+        ("save_strategy", "no|steps", "checkpoints during training, every --save_steps"),
+        ("resume_from_checkpoint", "DIR", "go on from output_dir/checkpoint-N"),
+        ("report_to", "none|wandb|trackio", "experiment tracking"),
+        ("config", "YAML", "any flag from a YAML file (flags on the command line win)"),
+    ),
+}
 
 
 def _lora_flag(name: str) -> Any:
@@ -164,7 +187,7 @@ def build_parser() -> Any:
     parser = TrlParser((ScriptArguments, VLMGRPOConfig), prog=PROG, description=DESCRIPTION)
     parser.allow_abbrev = False  # `--learning_rat` must be an error, not `--learning_rate`
     parser.formatter_class = _HelpFormatter
-    parser.usage = f"{PROG} [--config recipe.yaml] [options]   ({PROG} --help: main options; --help-all: all)"
+    parser.usage = USAGE
     parser.set_defaults(**DEMO.training_args())
     for action in parser._actions:
         # transformers gives `--no_x` the help of `--x` and its own default, so it read as the opposite of what it does.
@@ -193,22 +216,49 @@ def build_parser() -> Any:
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The description's examples keep their lines; option help shows defaults."""
+    """The description's examples keep their lines; each flag is shown once (HfArgumentParser adds a `--dash-case`
+    alias to every `--snake_case` flag) and its default once: not when its help already says it, nor when None."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if not action.option_strings:
+            return super()._format_action_invocation(action)
+        names = action.option_strings
+        shown = [s for s in names if not (s.startswith("--") and s != _snake(s) and _snake(s) in names)]
+        if action.nargs == 0:
+            return ", ".join(shown)
+        args = self._format_args(action, self._get_default_metavar_for_optional(action))
+        return ", ".join(f"{s} {args}" for s in shown)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if action.default is None or re.search(r"\bdefault|\bNone:", help_text, re.IGNORECASE):
+            return help_text
+        return super()._get_help_string(action)
 
 
-def short_help(parser: Any) -> str:
-    """`--help`: the description, this command's options and the common training flags (`--help-all`: everything)."""
-    short = argparse.ArgumentParser(prog=PROG, usage=parser.usage, description=DESCRIPTION, formatter_class=_HelpFormatter,
-                                    add_help=False, epilog=f"All {len(parser._actions)} flags: {PROG} --help-all")  # fmt: skip
-    script_dests = {f.name for f in fields(ScriptArguments)} | {"config", "help_all", "help"}
-    ours = short.add_argument_group(ScriptArguments._argument_group_name)
-    common = short.add_argument_group("common training options (more: --help-all)")
-    for action in parser._actions:
-        if action.dest in script_dests:
-            ours._add_action(action)
-        elif action.dest in COMMON_TRAINING_FLAGS:
-            common._add_action(action)
-    return short.format_help()
+def _snake(flag: str) -> str:
+    return "--" + flag[2:].replace("-", "_")
+
+
+def _default(flag: str) -> Any:
+    """The default `--help` states for `flag`: the demo's setting, else the ScriptArguments field's, else None."""
+    script_defaults = {f.name: f.default for f in fields(ScriptArguments)}
+    return DEMO.training_args().get(flag, script_defaults.get(flag))
+
+
+def short_help() -> str:
+    """`--help`: the description, examples and the main options, one line each (`--help-all`: every flag). Built
+    without the parser, so it imports neither torch nor transformers and prints at once."""
+    lines = [f"usage: {USAGE}", "", DESCRIPTION.rstrip()]
+    for title, options in MAIN_OPTIONS.items():
+        lines += ["", f"{title}:"]
+        for flag, metavar, text in options:
+            default = _default(flag)
+            if default not in (None, False, "") and "default" not in text:
+                text = f"{text} (default: {default})"
+            lines.append(f"  {f'--{flag} {metavar}'.rstrip():<33}{text}")
+    lines += ["", f"every flag (TRL's GRPOConfig and transformers' TrainingArguments, 200+): {PROG} --help-all"]
+    return "\n".join(lines) + "\n"
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, Any]:
@@ -219,8 +269,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, Any]:
     if not torch.cuda.is_available():
         # Set before the config exists: it sets up the process group when built, so under `accelerate launch` a
         # later `use_cpu = True` would leave a gloo group that the trainer does not use (each rank training alone).
-        # Pinned memory needs an accelerator; torch warns on every epoch.
-        parser.set_defaults(use_cpu=True, dataloader_pin_memory=False)
+        parser.set_defaults(use_cpu=True)
     argv = _with_negative_values(parser, list(sys.argv[1:] if argv is None else argv))
     _refuse_unknown_flags(parser, argv)
     try:

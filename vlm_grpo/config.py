@@ -26,7 +26,8 @@ class VLMGRPOConfig(GRPOConfig):
 
     Differences from TRL's defaults: `beta=0.04` (KL-regularised: the reference is the base model with
     the adapter disabled for PEFT models, so it costs no second copy of the weights); `bf16` chosen from
-    the hardware (TRL's default of True fails on CPU); non-reentrant gradient checkpointing.
+    the hardware (TRL's default of True fails on CPU); `dataloader_pin_memory` only with an accelerator (torch warns
+    on a CPU); non-reentrant gradient checkpointing.
     """
 
     beta: float = field(
@@ -65,6 +66,11 @@ class VLMGRPOConfig(GRPOConfig):
             default_factory=lambda: {"use_reentrant": False},
             metadata={"help": "Passed to `gradient_checkpointing_enable`. Non-reentrant is PyTorch's recommendation."},
         )
+    dataloader_pin_memory: bool | None = field(
+        default=None,
+        metadata={"help": "Pin the dataloader's memory. None: on when torch has an accelerator (a GPU), off on a "
+                  "CPU-only machine, where torch warns that pinning needs one."},
+    )  # fmt: skip
     min_pixels: int | None = field(
         default=None,
         metadata={"help": "Smallest image area (pixels) the model is fed; smaller images are upscaled. Qwen2/2.5/3-VL: "
@@ -82,12 +88,15 @@ class VLMGRPOConfig(GRPOConfig):
     )  # fmt: skip
     check_images: bool = field(
         default=True,
-        metadata={"help": "Decode every dataset image once before training, so corrupt files surface up front."},
+        metadata={
+            "help": "Decode every dataset image once before training, so corrupt files surface up front "
+            "(missing files are found either way)."
+        },
     )
     skip_bad_rows: bool = field(
         default=True,
-        metadata={"help": "Drop rows whose images cannot be read (logged and counted in `trainer.skipped_rows`). "
-                  "False: raise instead."},
+        metadata={"help": "Drop rows whose images are missing or cannot be read (logged and counted in "
+                  "`trainer.skipped_rows`); more than half the rows bad is refused. False: raise at the first."},
     )  # fmt: skip
     fast_generation: bool = field(
         default=True,
@@ -157,6 +166,8 @@ class VLMGRPOConfig(GRPOConfig):
                 self.activation_checkpointing_kwargs = {"use_reentrant": False}
         if self.bf16 is None:
             self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()) and not self.fp16
+        if self.dataloader_pin_memory is None:
+            self.dataloader_pin_memory = torch.accelerator.is_available()
         check_pixel_budget(self.min_pixels, self.max_pixels)
         if self.fast_generation_merge_backup not in MERGE_BACKUPS:
             raise ValueError(

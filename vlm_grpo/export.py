@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .families import core_model
+from .files import follow_umask
 
 __all__ = ["atomic_directory", "merged_state_dict", "write_checkpoint"]
 
@@ -93,23 +94,6 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype = torch.float16) -> d
     return state
 
 
-def _follow_umask(root: str) -> None:
-    """Give `root` and everything in it the modes a plain `mkdir` / `open` would have under the current umask.
-
-    `tempfile.mkdtemp` makes the directory 0700 and safetensors writes weights 0600; renamed into place as they
-    are, checkpoints would be private whatever the user's umask says.
-    """
-    umask = os.umask(0)
-    os.umask(umask)
-    for directory, _, files in os.walk(root):
-        os.chmod(directory, 0o777 & ~umask)
-        for name in files:
-            path = os.path.join(directory, name)
-            if not os.path.islink(path):
-                executable = os.stat(path).st_mode & 0o111
-                os.chmod(path, (0o777 if executable else 0o666) & ~umask)
-
-
 class atomic_directory:
     """Context manager: yields a temporary sibling of `path`, renamed onto `path` only on success."""
 
@@ -131,7 +115,7 @@ class atomic_directory:
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(self.path)}.old-", dir=os.path.dirname(self.path))
             os.rmdir(old)
             os.replace(self.path, old)
-        _follow_umask(self.tmp)
+        follow_umask(self.tmp)  # mkdtemp made it 0700, safetensors its weights 0600
         os.replace(self.tmp, self.path)
         if old:
             shutil.rmtree(old, ignore_errors=True)

@@ -3,8 +3,8 @@
 `check_dataset` runs once, at trainer construction: structural problems (no rows, no image column
 for prompts that have image placeholders, images under another column name, a placeholder count
 that differs from the row's images, both `image` and `images` columns) raise a `ValueError` naming
-the row and the fix; unreadable or truncated images drop their row, logged and counted, so a long
-run never dies on row 93 412.
+the row and the fix; missing, unreadable or truncated images drop their row, logged and counted, so a long
+run never dies on row 93 412 (`drop_unreadable_rows`: one policy for every bad image, refused beyond half the rows).
 
 `prepare_row` runs per batch: images normalised (RGB, EXIF, alpha on white, 16-bit...), fitted to
 the pixel budget (`vlm_grpo.pixel_budget`) and always given as an `images` list; a plain-string
@@ -15,7 +15,8 @@ undoes the last two for the reward functions, so they receive the dataset's own 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,10 +30,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
+    "MAX_BAD_FRACTION",
     "SkippedRows",
     "check_dataset",
     "count_image_placeholders",
     "dataset_row",
+    "drop_unreadable_rows",
     "prepare_row",
     "row_images",
     "rows_for_rewards",
@@ -169,8 +172,10 @@ def check_dataset(
         dataset: a `datasets.Dataset` (checked row by row) or an `IterableDataset` (only its columns are checked:
             it cannot be scanned without consuming it).
         name: used in messages (`train_dataset`, `eval_dataset`).
-        check_images: decode every image once (catches truncated/corrupt files up front).
-        skip_bad_rows: drop rows whose images cannot be read (logged, counted in `skipped`); False raises instead.
+        check_images: decode every image once (catches truncated/corrupt files up front); False checks only that
+            image files exist.
+        skip_bad_rows: drop rows whose images are missing or cannot be read (logged, counted in `skipped`; more than
+            `MAX_BAD_FRACTION` of the rows is refused); False raises at the first instead.
     """
     if dataset is None:
         return dataset, SkippedRows()
@@ -189,55 +194,109 @@ def check_dataset(
     if len(dataset) == 0:
         raise ValueError(f"{name} is empty: GRPO needs at least one prompt.")
 
-    raw = dataset
-    if column is not None:
-        # Read images undecoded ({"bytes", "path"}), so a corrupt file is our error to report, not a crash in datasets.
-        from datasets import Image as ImageFeature
-        from datasets import Sequence
-
-        feature = dataset.features.get(column)
-        if isinstance(feature, ImageFeature):
-            raw = dataset.cast_column(column, ImageFeature(decode=False))
-        elif isinstance(feature, Sequence) and isinstance(feature.feature, ImageFeature):
-            raw = dataset.cast_column(column, Sequence(ImageFeature(decode=False)))
-        elif isinstance(feature, list) and feature and isinstance(feature[0], ImageFeature):
-            raw = dataset.cast_column(column, [ImageFeature(decode=False)])
-
-    skipped = SkippedRows()
-    read_columns = ["prompt"] + ([column] if column else [])
-    for index, row in enumerate(raw.select_columns(read_columns)):
-        images = row_images(row)
+    # Placeholders against image counts, with the images undecoded: counting them needs no pixels.
+    raw = dataset if column is None else _undecoded(dataset, column)
+    for index, row in enumerate(raw.select_columns(["prompt"] + ([column] if column else []))):
         if column is None and (count_image_placeholders(row["prompt"]) or _string_placeholders(row["prompt"])):
             raise ValueError(
                 f"{name} row {index}: the prompt has image placeholders but the dataset has no `image` or `images` "
                 f"column (columns: {columns}). Add the images as an `image` (one) or `images` (list) column."
             )
-        _check_prompt(row["prompt"], len(images), index, name)
-        if not check_images:
-            continue
-        for position, image in enumerate(images):
+        _check_prompt(row["prompt"], len(row_images(row)), index, name)
+    if column is None:
+        return dataset, SkippedRows()
+    return drop_unreadable_rows(dataset, column, name, decode=check_images, skip_bad_rows=skip_bad_rows)
+
+
+#: Rows with missing or unreadable images are skipped up to this fraction of a dataset; beyond it the data looks wrong
+#: as a whole (a wrong image root, a broken download), and training on the rest would quietly teach something else.
+MAX_BAD_FRACTION = 0.5
+
+
+def drop_unreadable_rows(
+    dataset: Any,
+    column: str,
+    name: str,
+    *,
+    decode: bool = True,
+    skip_bad_rows: bool = True,
+    row_names: Sequence[str] | None = None,
+    stop_hint: str = "skip_bad_rows=False",
+) -> tuple[Any, SkippedRows]:
+    """`(dataset, skipped)`: the rows whose images in `column` are missing or cannot be decoded dropped, logged and
+    counted. One policy for both: skipped while they are at most `MAX_BAD_FRACTION` of the rows, refused beyond.
+
+    Args:
+        dataset: a `datasets.Dataset` whose `column` holds one image or a list per row.
+        name: the dataset in messages (`train_dataset`, `train.jsonl`).
+        decode: decode every image (catches corrupt files); False checks only that image files exist.
+        skip_bad_rows: False raises at the first bad row instead of skipping it.
+        row_names: what messages call each row (e.g. `line 7` of a JSON Lines file); default `row <index>`.
+        stop_hint: how the user turns skipping off, named in the skip message (`--no_skip_bad_rows` from the CLI).
+
+    Raises:
+        ImageError: a bad row with `skip_bad_rows=False`; more than `MAX_BAD_FRACTION` of the rows bad.
+    """
+    skipped = SkippedRows()
+    for index, row in enumerate(_undecoded(dataset, column).select_columns([column])):
+        where = row_names[index] if row_names is not None else f"row {index}"
+        for position, image in enumerate(row_images(row)):
             if image is None:
-                raise ValueError(f"{name} row {index}: image {position} is None; drop it from the row's `images` list.")
-            try:
-                load_image(image)
-            except ImageError as error:
-                if not skip_bad_rows:
-                    raise ImageError(f"{name} row {index}, image {position}: {error}") from error
-                skipped.indices.append(index)
-                skipped.reasons.append(f"row {index}, image {position}: {error}")
-                break
-    if skipped:
-        logger.warning(
-            "%s: skipped %d of %d rows with unreadable images (set skip_bad_rows=False to raise instead). First: %s",
-            name, len(skipped), len(dataset), "; ".join(skipped.reasons[:3]),
-        )  # fmt: skip
-        keep = sorted(set(range(len(dataset))) - set(skipped.indices))
-        if not keep:
-            raise ValueError(
-                f"{name}: every row has an unreadable image, nothing left to train on. First: {skipped.reasons[0]}"
-            )
-        dataset = dataset.select(keep)
-    return dataset, skipped
+                raise ValueError(f"{name} {where}: image {position} is None; drop it from the row's `images` list.")
+            problem = _image_problem(image, decode)
+            if problem is None:
+                continue
+            if not skip_bad_rows:
+                raise ImageError(f"{name} {where}, image {position}: {problem}")
+            skipped.indices.append(index)
+            skipped.reasons.append(f"{where}, image {position}: {problem}")
+            break
+    if not skipped:
+        return dataset, skipped
+    total = len(dataset)
+    if len(skipped) > MAX_BAD_FRACTION * total:
+        raise ImageError(
+            f"{name}: {len(skipped)} of {total} rows have missing or unreadable images, more than "
+            f"{MAX_BAD_FRACTION:.0%}, so the data looks wrong as a whole (check the image paths and files); nothing "
+            f"is trained on. First: {skipped.reasons[0]}"
+        )
+    logger.warning(
+        "%s: skipped %d of %d rows with missing or unreadable images (%s to stop instead; more than %.0f%% bad is "
+        "refused). %s",
+        name, len(skipped), total, stop_hint, 100 * MAX_BAD_FRACTION, "; ".join(skipped.reasons[:3]),
+    )  # fmt: skip
+    return dataset.select(sorted(set(range(total)) - set(skipped.indices))), skipped
+
+
+def _undecoded(dataset: Any, column: str) -> Any:
+    """`dataset` with `column` read as undecoded images (`{"bytes", "path"}`), so a corrupt or missing file is our
+    error to report, not a crash inside datasets."""
+    from datasets import Image as ImageFeature
+    from datasets import List
+    from datasets import Sequence as SequenceFeature
+
+    feature = dataset.features.get(column)
+    if isinstance(feature, ImageFeature):
+        return dataset.cast_column(column, ImageFeature(decode=False))
+    if isinstance(feature, (List, SequenceFeature)) and isinstance(feature.feature, ImageFeature):
+        return dataset.cast_column(column, List(ImageFeature(decode=False)))
+    if isinstance(feature, list) and feature and isinstance(feature[0], ImageFeature):
+        return dataset.cast_column(column, [ImageFeature(decode=False)])
+    return dataset
+
+
+def _image_problem(image: Any, decode: bool) -> str | None:
+    """Why `image` cannot be used, or None. Without `decode`, only an image stored as a file path is checked, for the
+    file's existence (a cheap `stat`, done even when decoding every image is switched off)."""
+    if not decode:
+        path = image.get("path") if isinstance(image, dict) and image.get("bytes") is None else image
+        if not isinstance(path, (str, os.PathLike)) or os.path.isfile(path):
+            return None
+    try:
+        load_image(image)
+    except ImageError as error:
+        return str(error)
+    return None
 
 
 def prepare_row(row: dict[str, Any], budget: PixelBudget | None = None) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from .prompts import apply_template, with_system
 from .reward_checks import reward_name
 from .rewards import BatchReward, RewardFunc, answer_accuracy, iou, make_choice_reward, reward_columns
 
-__all__ = ["SYNTHETIC_REWARDS", "Task", "dataset_task", "default_accuracy", "synthetic_task"]
+__all__ = ["SYNTHETIC_REWARDS", "Task", "data_words", "dataset_task", "default_accuracy", "synthetic_task"]
 
 
 @dataclass
@@ -45,7 +45,8 @@ class Task:
         accuracy: the reward reported as held-out accuracy (a completion is correct when it scores >= 1). Chosen by
             the constructor, not guessed from names; it need not be among `reward_funcs` (then it is only evaluated).
         reward_weights: one weight per training reward, or None (all 1.0), as `VLMGRPOConfig.reward_weights`.
-        answer_words: the words a tiny model's tokenizer needs to say the answers (synthetic tasks), else None.
+        answer_words: the words a tiny model's tokenizer needs (`build_tiny_vlm(words=...)`): a synthetic task's
+            answers, or every word of your data's prompts and answers (so an offline smoke run can learn on it).
     """
 
     name: str
@@ -243,6 +244,36 @@ def dataset_task(
     weights = list(reward_weights) if reward_weights is not None else None
     name = os.path.basename(source.rstrip("/")) or source
     accuracy = default_accuracy(funcs) if accuracy is None else accuracy
-    task = Task(name, train, test, funcs, accuracy, reward_weights=weights)
+    task = Task(name, train, test, funcs, accuracy, reward_weights=weights, answer_words=data_words(train, test))
     task.check_columns()
     return task
+
+
+def data_words(*datasets: Any) -> list[str]:
+    """Every word of the rows' prompts (all messages' text) and `answer` column, split as the tiny tokenizers split
+    text (`vlm_grpo.tiny.split_words`), sorted: the vocabulary a tiny model needs to read your data and say its
+    answers. Images are not read."""
+    from .tiny import split_words
+
+    texts: list[str] = []
+    for rows in (d for d in datasets if d is not None):
+        columns = [c for c in ("prompt", "answer") if c in rows.column_names]
+        for row in rows.select_columns(columns):
+            texts.extend(_prompt_texts(row["prompt"]))
+            answer = row.get("answer")
+            texts.extend(str(a) for a in (answer if isinstance(answer, (list, tuple)) else [answer]) if a is not None)
+    return sorted({word for text in texts for word in split_words(text)})
+
+
+def _prompt_texts(prompt: Any) -> list[str]:
+    """The text of a prompt: the string, or every text part of its chat messages."""
+    if isinstance(prompt, str):
+        return [prompt]
+    texts = []
+    for message in prompt or []:
+        content = message.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        else:
+            texts.extend(block.get("text") or "" for block in content or [])
+    return texts

@@ -5,7 +5,9 @@ overrides only these hooks:
 - `__init__`: takes `(model, processor)` from `FastBaseVisionModel` (or a model id), validates the
   datasets (bad rows raise or are skipped before training), refuses a model with nothing to train,
   checks reward functions on every call, and registers the requires-grad hooks so checkpointed vision
-  LoRA trains.
+  LoRA trains; progress is one bar with the rewards in its postfix (`vlm_grpo.callbacks.RewardProgressBar`, not a
+  dict per log) and checkpoints follow the umask (`vlm_grpo.files.CheckpointModesCallback`); Qwen-VL vision towers
+  attend in batched calls (`vlm_grpo.engine.vision_attention`).
 - `train`: refuses, before the first step, a TRL that cannot compute GRPO log-probs on this device; `True` for
   `resume_from_checkpoint` is the newest *complete* checkpoint (`vlm_grpo.checkpoints`); restarts dynamic sampling's
   prompt stream (from the checkpoint when resuming).
@@ -22,7 +24,8 @@ overrides only these hooks:
   from `vlm_grpo.engine.fast_generation` (one prefill per prompt group, compiled decode; 4-bit / 8-bit layers through
   `vlm_grpo.engine.quantized_generation`'s stand-ins) unless TRL's vLLM path or a
   setting it cannot serve is in use (then TRL's `model.generate`, with a one-time log line naming why).
-- `save_model`: also writes the model under FSDP with sharded checkpoints (transformers writes nothing there).
+- `save_model`: also writes the model under FSDP with sharded checkpoints (transformers writes nothing there);
+  checkpoints mid-training without transformers' "Writing model shards" bar inside the training bar.
 - `_load_from_checkpoint` (transformers'): full weights resumed under the model's own names
   (`vlm_grpo.checkpoints.load_full_weights`); transformers loads the Hub names they are saved under as they are.
 - `_get_per_token_logps_and_entropies`: each group's prompt and images computed once (`vlm_grpo.engine.shared_prefix`),
@@ -38,9 +41,11 @@ import logging
 from typing import Any
 
 import torch
+from transformers import ProgressCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
 
+from .callbacks import RewardProgressBar, library_bars_off
 from .checkpoints import load_full_weights, newest_complete_checkpoint
 from .compat import (
     CHECKPOINTING_ARG,
@@ -56,6 +61,7 @@ from .engine.sharded import full_weights
 from .engine.sharded import unsupported_reason as sharded_unsupported_reason
 from .engine.shared_prefix import SharedPrefixUnsupported, shared_prefix_logps
 from .engine.vision_attention import pack_vision_attention
+from .files import CheckpointModesCallback
 from .hooks import enable_requires_grad_hooks
 from .image_sizes import add_image_sizes
 from .integrations.unsloth import maybe_patch_for_model
@@ -246,6 +252,9 @@ class VLMGRPOTrainer(GRPOTrainer):
         maybe_patch_for_model(unwrapped)  # no-op unless the model came from Unsloth
         if getattr(args, "packed_vision_attention", True):
             pack_vision_attention(unwrapped)
+        if self.pop_callback(ProgressCallback) is not None:  # its bar, without a printed dict per log record
+            self.add_callback(RewardProgressBar())
+        self.add_callback(CheckpointModesCallback())
         self.fast_generator = FastGenerator(
             compile=_compile_default(args, sharded=self.is_fsdp_enabled or self._is_zero3),
             merge_lora=getattr(args, "fast_generation_merge_lora", True),
@@ -276,12 +285,14 @@ class VLMGRPOTrainer(GRPOTrainer):
         """`Trainer.save_model`, which also writes the model under FSDP with sharded checkpoints.
 
         transformers writes nothing there (its checkpoints hold the shards), so a run's final `save_model` would
-        leave an empty directory. Outside checkpointing the weights (the adapter, for LoRA) are gathered and written
+        leave an empty directory. Checkpoints are written without transformers' bar, inside the training bar. Outside checkpointing the weights (the adapter, for LoRA) are gathered and written
         as plain files. A collective: call it on every rank, as with any sharded model.
         """
         plugin = self.accelerator.state.fsdp_plugin if self.is_fsdp_enabled else None
         if plugin is None or _internal_call or "FULL_STATE_DICT" in str(plugin.state_dict_type):
-            return super().save_model(output_dir, _internal_call)
+            # A checkpoint mid-training: transformers' "Writing model shards" bar would break into the training bar.
+            with library_bars_off() if _internal_call else contextlib.nullcontext():
+                return super().save_model(output_dir, _internal_call)
         self._save(output_dir or self.args.output_dir, state_dict=self.accelerator.get_state_dict(self.model))
         if self.args.push_to_hub:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)

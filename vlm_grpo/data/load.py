@@ -11,6 +11,8 @@ messages), `image` or `images`, `answer`, other columns kept (they reach the rew
 
 from __future__ import annotations
 
+import csv
+import json
 import os
 from typing import Any
 
@@ -46,8 +48,14 @@ def load_split(source: str, split: str = "train", name: str | None = None, image
     """One split of `source` as a `datasets.Dataset`, image columns (`image`, `images`, `image_column`) holding paths
     or bytes cast to `datasets.Image`.
 
-    A single file has one split, `train`. Raises `DatasetError` for a missing path or split.
+    A single file has one split, `train`. Raises `DatasetError` for a missing path or split, an empty file, or a
+    JSON Lines line that is not a JSON object (naming the line).
     """
+    return _load_split(source, split, name, image_column)[0]
+
+
+def _load_split(source: str, split: str, name: str | None, image_column: str | None) -> tuple[Any, list[str] | None]:
+    """`load_split`, and what messages call each row: its line for JSON Lines and CSV files, else None (`row i`)."""
     import datasets
 
     path = os.path.expanduser(source)
@@ -59,7 +67,7 @@ def load_split(source: str, split: str = "train", name: str | None = None, image
                 raise DatasetError(f"{source} holds one split (a saved Dataset); use --test_size for a held-out part.")
         else:  # an image folder: metadata.jsonl / .csv next to the images, optionally train/ and test/ subfolders
             dataset = _pick_split(datasets.load_dataset("imagefolder", data_dir=path), split, source)
-        return _images_as_features(dataset, path, image_column)
+        return _images_as_features(dataset, path, image_column), None
     if os.path.isfile(path):
         builder = FILE_BUILDERS.get(os.path.splitext(path)[1].lower())
         if builder is None:
@@ -68,15 +76,93 @@ def load_split(source: str, split: str = "train", name: str | None = None, image
             raise DatasetError(
                 f"{source} is one file with one split; hold rows out with --test_size instead of {split!r}."
             )
-        dataset = datasets.load_dataset(builder, data_files=path, split="train")
-        return _images_as_features(dataset, os.path.dirname(os.path.abspath(path)), image_column)
+        lines = _row_lines(path, source, builder)
+        try:
+            dataset = datasets.load_dataset(builder, data_files=path, split="train")
+        except datasets.exceptions.DatasetGenerationError as error:  # the reader's own message is on its cause
+            raise DatasetError(f"{source}: cannot read it as {builder} ({error.__cause__ or error}).") from error
+        if len(dataset) == 0:
+            raise DatasetError(f"{source} has no rows: nothing to train on.")
+        names = [f"line {n}" for n in lines] if lines is not None and len(lines) == len(dataset) else None
+        return _images_as_features(dataset, os.path.dirname(os.path.abspath(path)), image_column), names
     if _looks_local(source):
         raise DatasetError(f"no such file or directory: {source}")
-    return datasets.load_dataset(source, name, split=split)  # a Hub id
+    return datasets.load_dataset(source, name, split=split), None  # a Hub id
+
+
+def _row_lines(path: str, source: str, builder: str) -> list[int] | None:
+    """The line each row of a JSON Lines or CSV file starts on (None for other files), checking on the way that the
+    file has rows and that each JSON line is an object: `datasets` would report a bad line by its byte position, and an
+    empty file as a bare `StopIteration`."""
+    if os.path.getsize(path) == 0:
+        raise DatasetError(f"{source} is empty (0 bytes): nothing to train on.")
+    try:
+        if builder == "json":
+            lines = _json_lines(path, source)
+        elif builder == "csv":
+            lines = _csv_lines(path)
+        else:
+            return None
+    except UnicodeDecodeError as error:
+        raise DatasetError(f"{source} is not UTF-8 text ({error.reason} at byte {error.start}).") from error
+    if lines is not None and not lines:
+        raise DatasetError(f"{source} has no rows: nothing to train on.")
+    return lines
+
+
+def _json_lines(path: str, source: str) -> list[int] | None:
+    """Line numbers of a JSON Lines file's rows, or None for one JSON document (an array of rows, or columns)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as error:
+        first = text.strip().splitlines()[0] if text.strip() else ""
+        if first.startswith("[") or (first and not _is_json(first)):  # one document, spread over lines
+            raise DatasetError(f"{source} line {error.lineno}: not valid JSON ({error.msg}).") from error
+    else:
+        if not isinstance(document, dict) or len(text.strip().splitlines()) > 1:
+            return None if document else []
+    lines = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise DatasetError(
+                f"{source} line {number}: not valid JSON ({error.msg}, column {error.colno}); fix or remove that line."
+            ) from error
+        if not isinstance(row, dict):
+            raise DatasetError(
+                f"{source} line {number}: a row must be a JSON object {{...}}, got {type(row).__name__}."
+            )
+        lines.append(number)
+    return lines
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def _csv_lines(path: str) -> list[int]:
+    """The line each CSV row starts on, after the header, blank lines skipped (as `datasets`' pandas reader does)."""
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.reader(f)
+        lines, end = [], 0
+        for record in reader:
+            start, end = end + 1, reader.line_num
+            if record:
+                lines.append(start)
+    return lines[1:]  # the first record is the header
 
 
 def _images_as_features(dataset: Any, base_dir: str, image_column: str | None) -> Any:
-    """Cast image columns holding paths (relative to `base_dir`) or bytes to `datasets.Image`, checking paths exist."""
+    """Cast image columns holding paths (relative to `base_dir`) or bytes to `datasets.Image`."""
     from datasets import List, Sequence, Value
 
     for column in [c for c in (image_column, *IMAGE_COLUMNS) if c in dataset.column_names]:
@@ -93,10 +179,8 @@ def _resolve_images(dataset: Any, column: str, as_list: bool, base_dir: str) -> 
     def fix(value: Any) -> Any:
         if value is None or isinstance(value, bytes):
             return None if value is None else {"bytes": value, "path": None}
-        path = os.path.join(base_dir, os.path.expanduser(value))
-        if not os.path.exists(path):
-            raise DatasetError(f"image {value!r} in column `{column}` not found (looked for {path}).")
-        return {"bytes": None, "path": path}
+        # A missing file is kept as its path: `drop_unreadable_rows` skips its row like one with a corrupt image.
+        return {"bytes": None, "path": os.path.join(base_dir, os.path.expanduser(value))}
 
     def fix_batch(batch: dict[str, list]) -> dict[str, list]:
         return {column: [[fix(v) for v in (row or [])] if as_list else fix(row) for row in batch[column]]}
@@ -205,13 +289,21 @@ def load_grpo_dataset(
     eval_split: str | None = None,
     test_size: float = 0,
     seed: int = 0,
+    check_images: bool = True,
+    skip_bad_rows: bool = True,
+    stop_hint: str = "skip_bad_rows=False",
     **columns: Any,
 ) -> tuple[Any, Any | None]:
     """`(train, test)` GRPO datasets from `source`: `eval_split`, else `test_size` rows held out (a fraction < 1 or a
-    count; 0: no held-out set). `columns` go to `to_grpo_rows` (column mapping, system prompt, template)."""
+    count; 0: no held-out set). `columns` go to `to_grpo_rows` (column mapping, system prompt, template).
+
+    Rows whose images are missing or unreadable are skipped before the split, named by their line in a JSON Lines or
+    CSV file (`vlm_grpo.rows.drop_unreadable_rows`: `check_images` decodes every image, else only files' existence
+    is checked; `skip_bad_rows=False` raises instead; `stop_hint` is how the skip message says to do that)."""
     image_column = columns.get("image_column")
-    train = load_split(source, split, name, image_column)
-    test = load_split(source, eval_split, name, image_column) if eval_split else None
+    bad_rows = {"decode": check_images, "skip_bad_rows": skip_bad_rows, "stop_hint": stop_hint}
+    train = _checked_split(source, split, name, image_column, bad_rows)
+    test = _checked_split(source, eval_split, name, image_column, bad_rows) if eval_split else None
     if test is None and test_size:
         size = test_size if 0 < test_size < 1 else int(test_size)
         if not 0 < size < len(train):
@@ -220,3 +312,24 @@ def load_grpo_dataset(
         train, test = parts["train"], parts["test"]
     train = to_grpo_rows(train, **columns)
     return train, to_grpo_rows(test, **columns) if test is not None else None
+
+
+def _checked_split(
+    source: str, split: str, name: str | None, image_column: str | None, bad_rows: dict[str, Any]
+) -> Any:
+    """`load_split` with the rows whose images are missing or unreadable dropped (logged, named by their line)."""
+    from ..images import ImageError
+    from ..rows import drop_unreadable_rows
+
+    dataset, row_names = _load_split(source, split, name, image_column)
+    try:
+        column = image_column or prompt_image_column(dataset.column_names)
+    except ValueError:  # both `image` and `images`: to_grpo_rows names the fix
+        return dataset
+    if column is None or column not in dataset.column_names:
+        return dataset
+    label = source if split == "train" else f"{source} ({split})"
+    try:
+        return drop_unreadable_rows(dataset, column, label, row_names=row_names, **bad_rows)[0]
+    except ImageError as error:
+        raise DatasetError(str(error)) from error
