@@ -7,7 +7,12 @@ from PIL import Image
 from torch.overrides import TorchFunctionMode
 
 from vlm_grpo import FastVisionModel
-from vlm_grpo.engine.vision_attention import PACKED, PACKED_VISION_ATTENTIONS, pack_vision_attention, packed_attention
+from vlm_grpo.engine.vision_attention import (
+    PACKED_VISION_ATTENTIONS,
+    pack_vision_attention,
+    packed_attention,
+    uses_packed_attention,
+)
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
@@ -51,9 +56,11 @@ def test_packed_vision_attention_gives_the_per_chunk_outputs_and_gradients_in_fe
         if "lora_B" in name:
             torch.nn.init.normal_(param, std=0.5)  # a trained-looking adapter, so its gradients are non-trivial
     out, pixel_grad, grads, loop_calls = _vision_pass(model, processor)
-    assert pack_vision_attention(model) > 0
-    assert model.config.vision_config._attn_implementation == PACKED
-    assert model.config.get_text_config()._attn_implementation == "sdpa"  # the language model keeps its own
+    assert pack_vision_attention(model) > 0 and uses_packed_attention(model)
+    # Only the vision attention layers' copy of the config names it: the model's own config (what an export or a
+    # sharded copy is built from) and the language model keep sdpa.
+    assert model.config.vision_config._attn_implementation == "sdpa"
+    assert model.config.get_text_config()._attn_implementation == "sdpa"
     packed_out, packed_pixel_grad, packed_grads, packed_calls = _vision_pass(model, processor)
     torch.testing.assert_close(packed_out, out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(packed_pixel_grad, pixel_grad, rtol=1e-5, atol=1e-6)
@@ -99,7 +106,7 @@ def test_families_without_the_packed_protocol_and_eager_towers_are_left_alone(ti
     gemma, _ = FastVisionModel.from_pretrained(tiny_dir("gemma3"))
     assert pack_vision_attention(gemma) == 0
     eager, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"), attn_implementation="eager")
-    assert pack_vision_attention(eager) == 0 and eager.config.vision_config._attn_implementation == "eager"
+    assert pack_vision_attention(eager) == 0 and not uses_packed_attention(eager)
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -116,5 +123,6 @@ def test_the_trainer_packs_the_vision_attention_unless_switched_off(tiny_dir, tm
     dataset = make_visual_reasoning_dataset("color", 4, seed=0)
     trainer = VLMGRPOTrainer(model, [lambda completions, **kw: [0.0] * len(completions)], args=args,
                              train_dataset=dataset, processing_class=processor)  # fmt: skip
-    vision = trainer.accelerator.unwrap_model(trainer.model).config.vision_config
-    assert vision._attn_implementation == (PACKED if packed else "sdpa")
+    base = trainer.accelerator.unwrap_model(trainer.model).get_base_model()
+    assert uses_packed_attention(base) == packed
+    type(base)._from_config(base.config)  # what an export builds: the config names no unknown implementation

@@ -251,8 +251,6 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point of `vlm-grpo`: the exit status (0 success, 1 non-finite accuracy or nothing to learn,
     2 bad arguments)."""
-    from .dynamic_sampling import NoRewardVariance
-
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if "--help-all" in argv:
@@ -265,8 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
-    except NoRewardVariance as error:  # --dynamic_sampling found no reward signal before the first step
-        print(f"{PROG}: error: {error}", file=sys.stderr)
+    except RuntimeError as error:
+        from .dynamic_sampling import NoRewardVariance  # here, not above: --help must not import torch
+
+        if not isinstance(error, NoRewardVariance):
+            raise
+        print(f"{PROG}: error: {error}", file=sys.stderr)  # --dynamic_sampling found no reward signal at the start
         return 1
     if not all(math.isfinite(v) for k, v in results.items() if k.endswith("accuracy")):
         print(f"{PROG}: held-out accuracy is not a number: {results}", file=sys.stderr)

@@ -11,12 +11,14 @@ convention of FlashAttention); nothing else in the vision tower changes.
 `packed_attention` takes that call and computes exactly the per-chunk attention, batched: chunks of equal length
 are stacked and attended in one `scaled_dot_product_attention` call each (a 448² image has one window length, so
 a layer makes one or two calls). No mask is built, so memory stays what the per-chunk loop used. It is registered
-with transformers' `AttentionInterface` as `PACKED` and set on the vision config only (`pack_vision_attention`);
-the text model keeps its own implementation. The name is internal to the config (never written to `config.json`).
+with transformers' `AttentionInterface` as `PACKED` and named in a copy of the vision config that only the vision
+attention layers hold (`pack_vision_attention`): the model's config, the text model and anything built from the
+config (an export, a sharded copy) keep `sdpa`.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 from collections import defaultdict
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PACKED", "PACKED_VISION_ATTENTIONS", "pack_vision_attention", "packed_attention"]
+__all__ = ["PACKED", "PACKED_VISION_ATTENTIONS", "pack_vision_attention", "packed_attention", "uses_packed_attention"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,19 +111,32 @@ def packed_attention(
 
 
 def pack_vision_attention(model: nn.Module) -> int:
-    """Give `model`'s Qwen-VL vision tower `packed_attention` where it uses `sdpa`; returns the layers served.
+    """Give `model`'s Qwen-VL vision attention layers `packed_attention` where they use `sdpa`; returns the layers
+    served (0 for other families, and for towers loaded with another implementation: eager for attention outputs,
+    FlashAttention, which already takes the packed call).
 
-    Other families, and vision towers loaded with another implementation (eager for attention outputs, FlashAttention,
-    which already takes the packed call), are left as they are (0).
+    The layers get a copy of their config naming `PACKED`; the model's own config keeps `sdpa`, so a model built from
+    it (a merged export, a sharded copy) is an ordinary transformers model.
     """
     from transformers import AttentionInterface
 
     layers = [m for m in model.modules() if type(m).__name__ in PACKED_VISION_ATTENTIONS and hasattr(m, "config")]
-    configs = {id(m.config): m.config for m in layers}
-    if not layers or any(c._attn_implementation not in ("sdpa", PACKED) for c in configs.values()):
+    if not layers or any(m.config._attn_implementation not in ("sdpa", PACKED) for m in layers):
         return 0
     AttentionInterface.register(PACKED, packed_attention)  # idempotent
-    for config in configs.values():
-        config._attn_implementation = PACKED
+    packed_configs: dict[int, Any] = {}
+    for layer in layers:
+        if layer.config._attn_implementation == PACKED:
+            continue
+        config = packed_configs.get(id(layer.config))
+        if config is None:
+            config = packed_configs[id(layer.config)] = copy.copy(layer.config)
+            config._attn_implementation = PACKED
+        layer.config = config
     logger.info("Vision attention: %d layers attend to their windows in batched calls (%s).", len(layers), PACKED)
     return len(layers)
+
+
+def uses_packed_attention(model: nn.Module) -> bool:
+    """Whether `pack_vision_attention` serves any of `model`'s vision attention layers."""
+    return any(getattr(getattr(m, "config", None), "_attn_implementation", None) == PACKED for m in model.modules())
