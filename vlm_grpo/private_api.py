@@ -73,7 +73,8 @@ OVERRIDDEN: tuple[PrivateMethod, ...] = (
     PrivateMethod(_GRPO, "_get_per_token_logps_and_entropies",
                   ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
                    "compute_aux_loss", *_MULTIMODAL_INPUTS), "trainer: engine.shared_prefix"),
-    PrivateMethod(_GRPO, "_tokenize_prompts", ("prompts",), "tests: TRL's own tokenisation of a batch"),
+    PrivateMethod(_GRPO, "_tokenize_prompts", ("prompts",), "trainer: prompts processed once per group; clips"),
+    PrivateMethod(_GRPO, "_compute_loss", ("model", "inputs"), "trainer: a batch's clips reach the log-probs"),
 )
 _GENERATION = "transformers:GenerationMixin"
 CALLED: tuple[PrivateMethod, ...] = (
@@ -97,6 +98,8 @@ TRAINER_ATTRIBUTES = (
     "environment_factories",
     "generation_config",
     "generation_kwargs",
+    "chat_template",
+    "chat_template_kwargs",
 )  # fmt: skip
 FUSED_LM_HEAD_KEYWORDS = ("fused_lm_head", "shift_labels")
 

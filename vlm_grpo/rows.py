@@ -1,15 +1,19 @@
 """Dataset rows -> what TRL's GRPO loop expects, with bad input caught before training starts.
 
-`check_dataset` runs once, at trainer construction: structural problems (no rows, no image column
-for prompts that have image placeholders, images under another column name, a placeholder count
-that differs from the row's images, both `image` and `images` columns) raise a `ValueError` naming
-the row and the fix; unreadable or truncated images drop their row, logged and counted, so a long
-run never dies on row 93 412.
+`check_dataset` runs once, at trainer construction: structural problems (no rows, no image / video
+column for prompts that have image / video placeholders, images under another column name, a
+placeholder count that differs from the row's images or clips, both `image` and `images` columns)
+raise a `ValueError` naming the row and the fix; unreadable or truncated images, and clips that
+cannot be read (a missing or corrupt file, no frames, frames of different sizes), drop their row,
+logged and counted, so a long run never dies on row 93 412.
 
 `prepare_row` runs per batch: images normalised (RGB, EXIF, alpha on white, 16-bit...), fitted to
 the pixel budget (`vlm_grpo.pixel_budget`) and always given as an `images` list; a plain-string
-prompt becomes a user message with the images at its `<image>` placeholders. `rows_for_rewards`
-undoes the last two for the reward functions, so they receive the dataset's own format.
+prompt becomes a user message with the images at its `<image>` placeholders. Rows of a dataset with
+a `video` / `videos` column get their clips sampled and sized by the video budget
+(`vlm_grpo.video_budget`) and every image and clip placed in the prompt's content blocks (TRL has
+no video path: the trainer processes these rows itself). `rows_for_rewards` undoes this for the
+reward functions, so they receive the dataset's own format.
 """
 
 from __future__ import annotations
@@ -22,10 +26,23 @@ from typing import TYPE_CHECKING, Any
 from PIL import Image
 
 from .images import ImageError, load_image, load_rgb_images
-from .prompts import IMAGE_COLUMNS, IMAGE_PLACEHOLDER, image_column, user_content
+from .prompts import (
+    IMAGE_COLUMNS,
+    IMAGE_PLACEHOLDER,
+    VIDEO_COLUMNS,
+    VIDEO_PLACEHOLDER,
+    count_blocks,
+    count_placeholders,
+    image_column,
+    place_media,
+    user_content,
+    video_column,
+)
+from .videos import VideoError, is_clip_value, probe_clip
 
 if TYPE_CHECKING:
     from .pixel_budget import PixelBudget
+    from .video_budget import VideoBudget
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
@@ -34,6 +51,7 @@ __all__ = [
     "count_image_placeholders",
     "dataset_row",
     "prepare_row",
+    "row_clips",
     "row_images",
     "rows_for_rewards",
     "source_image_sizes",
@@ -46,6 +64,7 @@ _IMAGE_LIKE_NAMES = (
     "img", "imgs", "picture", "pictures", "photo", "photos", "pixel_values", "image_path", "image_paths", "image_file",
     "image_files", "image_bytes",
 )  # fmt: skip
+_VIDEO_LIKE_NAMES = ("clip", "clips", "frames", "video_path", "video_paths", "video_file", "video_files", "movie")
 # prepare_row keeps the row's own prompt and image column name here, for `rows_for_rewards`.
 _SOURCE = "_vlm_grpo_source"
 
@@ -67,24 +86,39 @@ def _is_chat(prompt: Any) -> bool:
 
 def count_image_placeholders(prompt: Any) -> int:
     """Number of `{"type": "image"}` content blocks in a chat prompt (0 for plain strings)."""
+    return count_blocks(prompt, "image") if _is_chat(prompt) else 0
+
+
+def _blocks_media(row: dict[str, Any], kind: str) -> list[Any]:
+    prompt = row.get("prompt")
     if not _is_chat(prompt):
-        return 0
-    return sum(
-        1
-        for message in prompt
-        if isinstance(message.get("content"), list)
-        for part in message["content"]
-        if isinstance(part, dict) and part.get("type") == "image"
-    )
+        return []
+    return [part[kind] for m in prompt if isinstance(m.get("content"), list) for part in m["content"]
+            if isinstance(part, dict) and part.get("type") == kind and kind in part]  # fmt: skip
 
 
 def row_images(row: dict[str, Any]) -> list[Any]:
-    """A row's images as a list: its `images` list, its single `image`, or [] for a text-only row."""
+    """A row's images as a list: its `images` list, its single `image`, the images placed in its prompt (a
+    `prepare_row` result of a dataset with clips), or [] for a text-only row."""
     if "images" in row:
         value = row["images"]
         return [] if value is None else list(value)
-    value = row.get("image")
-    return [] if value is None else [value]
+    if "image" in row:
+        value = row["image"]
+        return [] if value is None else [value]
+    return _blocks_media(row, "image")
+
+
+def row_clips(row: dict[str, Any]) -> list[Any]:
+    """A row's clips as a list: its `videos` list, its single `video`, the clips placed in its prompt (a
+    `prepare_row` result), or []."""
+    column = video_column(row)
+    if column is None:
+        return _blocks_media(row, "video")
+    value = row[column]
+    if value is None:
+        return []
+    return list(value) if column == "videos" else [value]
 
 
 # Markers that show a chat template was already applied to a string prompt; images cannot be placed then.
@@ -92,39 +126,46 @@ def row_images(row: dict[str, Any]) -> list[Any]:
 _TEMPLATE_MARKERS = ("<|im_start|>", "<start_of_turn>", "<|start_header_id|>", "<|image_pad|>", "[INST]")
 
 
-def _check_prompt(prompt: Any, n_images: int, index: int, name: str) -> None:
+def _check_prompt(prompt: Any, n_images: int, index: int, name: str, n_videos: int = 0) -> None:
     if isinstance(prompt, str):
-        if n_images and any(marker in prompt for marker in _TEMPLATE_MARKERS):
+        if (n_images or n_videos) and any(marker in prompt for marker in _TEMPLATE_MARKERS):
             raise ValueError(
                 f"{name} row {index}: the prompt is a string with a chat template already applied, and the row has "
-                f"{n_images} image(s). Images need chat-message prompts: pass the raw messages, e.g. "
-                "[{'role': 'user', 'content': 'What colour is the shape?'}], and let the trainer apply the template."
+                f"{n_images} image(s) and {n_videos} clip(s). Images and clips need chat-message prompts: pass the "
+                "raw messages, e.g. [{'role': 'user', 'content': 'What colour is the shape?'}], and let the trainer "
+                "apply the template."
             )
-        placeholders = prompt.count(IMAGE_PLACEHOLDER)
-        if placeholders and placeholders != n_images:
-            raise ValueError(
-                f"{name} row {index}: the prompt has {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) but the row has "
-                f"{n_images} image(s). Make them match, or drop the placeholders to put the images before the text."
-            )
+        for placeholder, count, kind in zip((IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER), (n_images, n_videos),
+                                            ("image(s)", "clip(s)")):  # fmt: skip
+            placeholders = prompt.count(placeholder)
+            if placeholders and placeholders != count:
+                raise ValueError(
+                    f"{name} row {index}: the prompt has {placeholders} {placeholder} placeholder(s) but the row has "
+                    f"{count} {kind}. Make them match, or drop the placeholders to put them before the text."
+                )
         return
     if not _is_chat(prompt):
         raise ValueError(
             f"{name} row {index}: `prompt` must be a string or a list of chat messages "
             f"({{'role': ..., 'content': ...}}), got {type(prompt).__name__}."
         )
-    placeholders = count_image_placeholders(prompt)
     # String contents get the images put before the first user text (TRL); structured contents must place each.
     structured = any(isinstance(message.get("content"), list) for message in prompt)
-    if (structured or placeholders) and placeholders != n_images:
-        raise ValueError(
-            f"{name} row {index}: the prompt has {placeholders} image placeholder(s) ({{'type': 'image'}}) but the "
-            f"row has {n_images} image(s). Make them match, or give the messages plain-string contents and the "
-            "images are put before the first user message."
-        )
+    for kind, count, noun in (("image", n_images, "image(s)"), ("video", n_videos, "clip(s)")):
+        placeholders = count_blocks(prompt, kind)
+        if (structured or placeholders) and placeholders != count:
+            raise ValueError(
+                f"{name} row {index}: the prompt has {placeholders} {kind} placeholder(s) ({{'type': '{kind}'}}) but "
+                f"the row has {count} {noun}. Make them match, or give the messages plain-string contents and they "
+                "are put before the first user message."
+            )
 
 
-def _string_placeholders(prompt: Any) -> int:
-    return prompt.count(IMAGE_PLACEHOLDER) if isinstance(prompt, str) else 0
+def _placeholders(prompt: Any, kind: str) -> int:
+    """`kind` ("image" / "video") placeholders of a prompt: `<image>` / `<video>` in a string, blocks in messages."""
+    if isinstance(prompt, str):
+        return count_placeholders(prompt)[kind == "video"]
+    return count_blocks(prompt, kind) if _is_chat(prompt) else 0
 
 
 def _holds_images(value: Any) -> bool:
@@ -141,12 +182,23 @@ def _is_image_feature(feature: Any) -> bool:
     return isinstance(feature, ImageFeature) or isinstance(inner, ImageFeature)
 
 
+def _refuse_misnamed_video_column(columns: list[str], name: str) -> None:
+    """Raise when clips seem to sit under another column name: the trainer would silently train without them."""
+    for column in columns:
+        if column.lower() in _VIDEO_LIKE_NAMES:
+            raise ValueError(
+                f"{name} has no `video` or `videos` column, but column `{column}` looks like it holds clips, so the "
+                f"model would train without them. Rename it: `dataset = dataset.rename_column({column!r}, 'video')` "
+                "(`video` for one clip per row, `videos` for a list)."
+            )
+
+
 def _refuse_misnamed_image_column(dataset: Any, columns: list[str], name: str) -> None:
     """Raise when images sit under another column name: the trainer would silently train text-only."""
     features = getattr(dataset, "features", None) or {}
     first = dataset[0] if hasattr(dataset, "__len__") and len(dataset) and hasattr(dataset, "__getitem__") else {}
     for column in columns:
-        if column == "prompt":
+        if column == "prompt" or column in VIDEO_COLUMNS:  # a clip's frames are images too
             continue
         feature, value = features.get(column), first.get(column) if isinstance(first, dict) else None
         if column.lower() in _IMAGE_LIKE_NAMES or _is_image_feature(feature) or _holds_images(value):
@@ -163,14 +215,15 @@ def _refuse_misnamed_image_column(dataset: Any, columns: list[str], name: str) -
 def check_dataset(
     dataset: Any, name: str = "train_dataset", *, check_images: bool = True, skip_bad_rows: bool = True
 ) -> tuple[Any, SkippedRows]:
-    """Validate a dataset before training; return `(dataset, skipped)` with unreadable-image rows removed.
+    """Validate a dataset before training; return `(dataset, skipped)` with unreadable-image / clip rows removed.
 
     Args:
         dataset: a `datasets.Dataset` (checked row by row) or an `IterableDataset` (only its columns are checked:
             it cannot be scanned without consuming it).
         name: used in messages (`train_dataset`, `eval_dataset`).
-        check_images: decode every image once (catches truncated/corrupt files up front).
-        skip_bad_rows: drop rows whose images cannot be read (logged, counted in `skipped`); False raises instead.
+        check_images: decode every image once and open every clip (`vlm_grpo.videos.probe_clip`: a file's stream is
+            read, not decoded; frames' headers are read), so truncated or corrupt files surface up front.
+        skip_bad_rows: drop rows whose images or clips cannot be read (logged, counted in `skipped`); False raises.
     """
     if dataset is None:
         return dataset, SkippedRows()
@@ -184,86 +237,138 @@ def check_dataset(
     column = image_column(columns)
     if column is None:
         _refuse_misnamed_image_column(dataset, columns, name)
+    clip_column = video_column(columns)
+    if clip_column is None:
+        _refuse_misnamed_video_column(columns, name)
     if not hasattr(dataset, "__len__"):
         return dataset, SkippedRows()
     if len(dataset) == 0:
         raise ValueError(f"{name} is empty: GRPO needs at least one prompt.")
 
-    raw = dataset
-    if column is not None:
-        # Read images undecoded ({"bytes", "path"}), so a corrupt file is our error to report, not a crash in datasets.
-        from datasets import Image as ImageFeature
-        from datasets import Sequence
-
-        feature = dataset.features.get(column)
-        if isinstance(feature, ImageFeature):
-            raw = dataset.cast_column(column, ImageFeature(decode=False))
-        elif isinstance(feature, Sequence) and isinstance(feature.feature, ImageFeature):
-            raw = dataset.cast_column(column, Sequence(ImageFeature(decode=False)))
-        elif isinstance(feature, list) and feature and isinstance(feature[0], ImageFeature):
-            raw = dataset.cast_column(column, [ImageFeature(decode=False)])
-
+    # Read images and clips undecoded ({"bytes", "path"}), so a corrupt file is our error to report, not a crash in
+    # datasets.
+    raw = _undecoded(_undecoded(dataset, column), clip_column)
     skipped = SkippedRows()
-    read_columns = ["prompt"] + ([column] if column else [])
+    read_columns = ["prompt"] + [c for c in (column, clip_column) if c]
     for index, row in enumerate(raw.select_columns(read_columns)):
-        images = row_images(row)
-        if column is None and (count_image_placeholders(row["prompt"]) or _string_placeholders(row["prompt"])):
-            raise ValueError(
-                f"{name} row {index}: the prompt has image placeholders but the dataset has no `image` or `images` "
-                f"column (columns: {columns}). Add the images as an `image` (one) or `images` (list) column."
-            )
-        _check_prompt(row["prompt"], len(images), index, name)
+        images, clips = row_images(row) if column else [], row_clips(row) if clip_column else []
+        for kind, present, names in (("image", column, IMAGE_COLUMNS), ("video", clip_column, VIDEO_COLUMNS)):
+            if present is None and _placeholders(row["prompt"], kind):
+                raise ValueError(
+                    f"{name} row {index}: the prompt has {kind} placeholders but the dataset has no `{names[0]}` or "
+                    f"`{names[1]}` column (columns: {columns}). Add them as a `{names[0]}` (one) or `{names[1]}` "
+                    "(list) column."
+                )
+        _check_prompt(row["prompt"], len(images), index, name, len(clips))
         if not check_images:
             continue
-        for position, image in enumerate(images):
-            if image is None:
-                raise ValueError(f"{name} row {index}: image {position} is None; drop it from the row's `images` list.")
-            try:
-                load_image(image)
-            except ImageError as error:
-                if not skip_bad_rows:
-                    raise ImageError(f"{name} row {index}, image {position}: {error}") from error
-                skipped.indices.append(index)
-                skipped.reasons.append(f"row {index}, image {position}: {error}")
-                break
+        reason = _unreadable(images, clips, index, name, skip_bad_rows)
+        if reason is not None:
+            skipped.indices.append(index)
+            skipped.reasons.append(reason)
     if skipped:
         logger.warning(
-            "%s: skipped %d of %d rows with unreadable images (set skip_bad_rows=False to raise instead). First: %s",
-            name, len(skipped), len(dataset), "; ".join(skipped.reasons[:3]),
+            "%s: skipped %d of %d rows with unreadable images or clips (set skip_bad_rows=False to raise instead). "
+            "First: %s", name, len(skipped), len(dataset), "; ".join(skipped.reasons[:3]),
         )  # fmt: skip
         keep = sorted(set(range(len(dataset))) - set(skipped.indices))
         if not keep:
+            kinds = "image or clip" if clip_column else "image"
             raise ValueError(
-                f"{name}: every row has an unreadable image, nothing left to train on. First: {skipped.reasons[0]}"
+                f"{name}: every row has an unreadable {kinds}, nothing left to train on. First: {skipped.reasons[0]}"
             )
         dataset = dataset.select(keep)
     return dataset, skipped
 
 
-def prepare_row(row: dict[str, Any], budget: PixelBudget | None = None) -> dict[str, Any]:
-    """A copy of a dataset row ready for TRL's multimodal path.
+def _undecoded(dataset: Any, column: str | None) -> Any:
+    """`dataset` with `column`'s `datasets.Image` / `datasets.Video` feature cast to `decode=False`."""
+    if column is None:
+        return dataset
+    import datasets
+    from datasets import Sequence
+
+    kinds = tuple(k for k in (getattr(datasets, "Image", None), getattr(datasets, "Video", None)) if k is not None)
+    feature = dataset.features.get(column)
+    if isinstance(feature, kinds):
+        return dataset.cast_column(column, type(feature)(decode=False))
+    if isinstance(feature, Sequence) and isinstance(feature.feature, kinds):
+        return dataset.cast_column(column, Sequence(type(feature.feature)(decode=False)))
+    if isinstance(feature, list) and feature and isinstance(feature[0], kinds):
+        return dataset.cast_column(column, [type(feature[0])(decode=False)])
+    return dataset
+
+
+def _unreadable(images: list[Any], clips: list[Any], index: int, name: str, skip: bool) -> str | None:
+    """Why a row's images or clips cannot be used (None: they can); raises instead when rows are not skipped."""
+    for position, image in enumerate(images):
+        if image is None:
+            raise ValueError(f"{name} row {index}: image {position} is None; drop it from the row's `images` list.")
+        try:
+            load_image(image)
+        except ImageError as error:
+            if not skip:
+                raise ImageError(f"{name} row {index}, image {position}: {error}") from error
+            return f"row {index}, image {position}: {error}"
+    for position, clip in enumerate(clips):
+        if clip is None:
+            raise ValueError(f"{name} row {index}: clip {position} is None; drop it from the row's `videos` list.")
+        try:
+            if not is_clip_value(clip):
+                raise VideoError(f"{type(clip).__name__!r} is not a clip (a list of frames, a folder, a video file)")
+            probe_clip(clip)
+        except VideoError as error:
+            if not skip:
+                raise VideoError(f"{name} row {index}, clip {position}: {error}") from error
+            return f"row {index}, clip {position}: {error}"
+    return None
+
+
+def prepare_row(
+    row: dict[str, Any], budget: PixelBudget | None = None, video_budget: VideoBudget | None = None
+) -> dict[str, Any]:
+    """A copy of a dataset row ready for TRL's multimodal path (images) or the trainer's own (clips).
 
     Rows of a dataset with an `image` or `images` column get their images loaded, normalised, fitted with `budget`
     (`PixelBudget.fit`; None leaves their size alone) and put under `images` as a list (`[]` for a text-only row: TRL
     turns a missing single image into None, which breaks the processor). A string prompt becomes a user message (TRL
     places images only in chat prompts) with the images at its `<image>` placeholders, or before the text when it has
-    none. The row's own prompt, image column and image sizes are kept for `rows_for_rewards` and
-    `source_image_sizes`. Rows without an image column are returned unchanged.
+    none. Rows of a dataset with a `video` or `videos` column get their clips sampled and sized by `video_budget`
+    (`VideoBudget.load`; None: the default budget, no resizing) and every image and clip placed in the prompt's
+    content blocks, with no `images` column: TRL would process the images without the clips. The row's own prompt,
+    image and video columns and image sizes are kept for `rows_for_rewards` and `source_image_sizes`. Rows without an
+    image or video column are returned unchanged.
     """
-    column = image_column(row)
-    if column is None:
+    column, clip_column = image_column(row), video_column(row)
+    if column is None and clip_column is None:
         return dict(row)
-    value = row[column]
+    value = row.get(column) if column else None
     if column == "image":
         value = None if value is None else [value]
     images = load_rgb_images(value)
+    fitted = [budget.fit(image) for image in images] if budget is not None else images
+    source = {"prompt": row.get("prompt"), "image_column": column, "image_sizes": [im.size for im in images]}
     row = {k: v for k, v in row.items() if k not in IMAGE_COLUMNS}
-    row["images"] = [budget.fit(image) for image in images] if budget is not None else images
-    row[_SOURCE] = {"prompt": row.get("prompt"), "image_column": column, "image_sizes": [im.size for im in images]}
-    if isinstance(row.get("prompt"), str):
-        # Done for every row of a dataset with an image column (text-only rows too) so a batch never mixes strings
-        # and chats.
-        row["prompt"] = [{"role": "user", "content": user_content(row["prompt"])}]
+    if clip_column is None:
+        row["images"] = fitted
+        row[_SOURCE] = source
+        if isinstance(row.get("prompt"), str):
+            # Done for every row of a dataset with an image column (text-only rows too) so a batch never mixes
+            # strings and chats.
+            row["prompt"] = [{"role": "user", "content": user_content(row["prompt"])}]
+        return row
+    if video_budget is None:
+        from .video_budget import VideoBudget
+
+        video_budget = VideoBudget()
+    raw_clips = row_clips(row)
+    clips = [video_budget.load(clip) for clip in raw_clips]
+    source.update(video_column=clip_column, videos=row[clip_column])
+    row = {k: v for k, v in row.items() if k not in VIDEO_COLUMNS}
+    prompt = row.get("prompt")
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    row["prompt"] = place_media(messages, fitted, clips)
+    row[_SOURCE] = source
     return row
 
 
@@ -296,13 +401,19 @@ def rows_for_rewards(
 
 
 def dataset_row(row: dict[str, Any]) -> dict[str, Any]:
-    """A `prepare_row` result with the dataset's own prompt and image column back (and nothing internal)."""
+    """A `prepare_row` result with the dataset's own prompt, image and video columns back (and nothing internal):
+    images as loaded, clips as the dataset gave them."""
     source = row.get(_SOURCE)
     if source is None:
         return row
     row = {k: v for k, v in row.items() if k != _SOURCE}
+    images = row_images(row)
+    row.pop("images", None)
     row["prompt"] = source["prompt"]
     if source["image_column"] == "image":
-        images = row.pop("images")
         row["image"] = images[0] if images else None
+    elif source["image_column"] == "images" or "video_column" not in source:
+        row["images"] = images
+    if "video_column" in source:
+        row[source["video_column"]] = source["videos"]
     return row
