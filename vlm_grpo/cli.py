@@ -148,6 +148,7 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     from .evaluation import evaluate
     from .reward_checks import reward_name
     from .trainer import VLMGRPOTrainer
+    from .video_budget import VIDEO_SETTINGS
 
     check_args(script, config)
     task = build_task(script, config)
@@ -158,7 +159,8 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     model, processor = _load(script, config, task.answer_words)
     # Greedy decoding for accuracy: what a user of the trained model gets; the task's accuracy reward decides it.
     score = {"max_new_tokens": script.eval_max_new_tokens or config.max_completion_length,
-             "min_pixels": config.min_pixels, "max_pixels": config.max_pixels}  # fmt: skip
+             "min_pixels": config.min_pixels, "max_pixels": config.max_pixels,
+             **{k: getattr(config, k) for k in VIDEO_SETTINGS}}  # fmt: skip
     before: dict[str, float] = {}
     if task.test is not None:
         before = evaluate(model, processor, task.test, task.eval_funcs, **score)

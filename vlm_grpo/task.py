@@ -133,6 +133,7 @@ SYNTHETIC_REWARDS: dict[str, Callable[[int], RewardFunc]] = {
     "arithmetic": _choice("arithmetic"),
     "locate": lambda difficulty: iou,  # a box: its IoU with the gold box, in the image's pixels
     "position": _choice("position"),
+    "motion": _choice("motion"),  # a video task: which way the shape moves
 }
 
 
@@ -149,8 +150,8 @@ def synthetic_task(
     reward_funcs: Sequence[RewardFunc] | None = None,
     accuracy: RewardFunc | None = None,
 ) -> Task:
-    """A procedural task of `vlm_grpo.data` (`color`, `count`, `spatial`, `arithmetic`, `locate`, `position`) with
-    its own reward (`SYNTHETIC_REWARDS`) as training reward and accuracy.
+    """A procedural task of `vlm_grpo.data` (`color`, `count`, `spatial`, `arithmetic`, `locate`, `position`, and the
+    video task `motion`) with its own reward (`SYNTHETIC_REWARDS`) as training reward and accuracy.
 
     Args:
         name, difficulty, image_size, seed: as `make_visual_reasoning_dataset`; train and test images are disjoint.

@@ -38,6 +38,7 @@ from .videos import Clip, load_clip
 __all__ = [
     "DEFAULT_FPS",
     "DEFAULT_MAX_FRAMES",
+    "VIDEO_SETTINGS",
     "VideoBudget",
     "apply_video_budget",
     "check_frame_sampling",
@@ -54,6 +55,8 @@ DEFAULT_MAX_FRAMES = 16
 # `video_processor_type`), from the family records.
 _RULES = {f.video_processor: f.video_budget for f in FAMILIES.values() if f.video_processor}
 _KEYS = {"video_min_pixels": "shortest_edge", "video_max_pixels": "longest_edge"}
+#: The video budget's settings as `VLMGRPOConfig` and `vlm_grpo.evaluate` name them.
+VIDEO_SETTINGS = ("video_fps", "video_max_frames", "video_num_frames", "video_min_pixels", "video_max_pixels")
 
 
 def check_frame_sampling(fps: float | None, max_frames: int | None, num_frames: int | None) -> None:
