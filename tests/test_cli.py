@@ -104,6 +104,7 @@ def test_help_starts_with_what_the_command_does(tmp_path):
         (["--learning_rate=-1e-4"], "--learning_rate must be >= 0, got -0.0001"),
         (["--learning_rate", "-1e-4"], "--learning_rate must be >= 0, got -0.0001"),  # a negative value after a space
         (["--adam_beta2", "1.5"], "--adam_beta2 must be in [0, 1)"),
+        (["--task", "color_change", "--model", "tiny:gemma3"], "video task and tiny:gemma3 takes no video"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_status_2_with_nothing_written(tmp_path, capsys, monkeypatch, args, message):
@@ -308,3 +309,26 @@ def test_negative_values_reach_the_config_with_or_without_an_equals_sign():
     for argv in (["--beta", "-0.5"], ["--beta=-0.5"], ["--beta", "-5e-1"]):
         _, config = parse_args(argv)
         assert config.beta == -0.5
+
+
+@pytest.mark.trains
+def test_video_folder_and_the_video_task(tmp_path):
+    from conftest import write_video
+
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    lines = []
+    for i in range(6):
+        write_video(folder / f"{i}.mp4", n=8, fps=4)
+        lines.append(json.dumps({"prompt": "<video> Which way?", "video": f"{i}.mp4", "answer": "left"}))
+    (folder / "metadata.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "run"
+    proc = vlm_grpo("--dataset", str(folder), "--test_size", "2", "--output_dir", str(out), "--video_max_frames", "4",
+                    *TINY_RUN)  # fmt: skip
+    _assert_ok(proc)
+    assert "(clips, 2 prompts)" in proc.stdout
+    out = tmp_path / "task"
+    proc = vlm_grpo("--task", "color_change", "--model", "tiny:qwen3_vl", "--train_size", "8", "--test_size", "4",
+                    "--output_dir", str(out), *TINY_RUN)  # fmt: skip
+    _assert_ok(proc)
+    assert "synthetic task 'color_change'" in proc.stdout

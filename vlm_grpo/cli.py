@@ -67,6 +67,7 @@ def build_task(script: ScriptArguments, config: Any) -> Task:
             script.dataset, script.dataset_split, name=script.dataset_config, eval_split=script.eval_split,
             test_size=0.1 if script.test_size is None else script.test_size, seed=config.seed,
             prompt_column=script.prompt_column, image_column=script.image_column, answer_column=script.answer_column,
+            video_column=script.video_column,
             system_prompt=script.system_prompt, prompt_template=script.prompt_template, **rewards,
         )  # fmt: skip
     except OSError as error:  # a missing file, or a Hub id that cannot be fetched

@@ -114,6 +114,11 @@ class ScriptArguments:
     image_column: str | None = field(
         default=None, metadata={"help": "Image column, one image or a list (default: images or image)."}
     )
+    video_column: str | None = field(
+        default=None,
+        metadata={"help": "Clip column: a video file, a frame folder or a list of frame paths per row, or a list of "
+                  "video files (default: videos or video). Qwen-VL models."},
+    )  # fmt: skip
     answer_column: str | None = field(
         default=None,
         metadata={"help": "Gold-answer column, passed to rewards as `answer` (default: answer or solution)."},

@@ -307,6 +307,30 @@ def _motion(rng: random.Random, size: int, difficulty: int) -> Example:
     return Example(frames[0], question, answer, frames=frames)
 
 
+@_retry
+def _color_change(rng: random.Random, size: int, difficulty: int) -> Example:
+    """A clip of one shape that turns from one colour to another: what colour is it at the end? (a video task).
+
+    Both colours are in the clip, so reading the colours is not enough: the answer is the later one. At level 1 the
+    change falls between Qwen-VL's two temporal steps (frames 0-1, 2-3); at higher levels on any frame after the
+    first, and the shape moves a little.
+    """
+    colors = colors_for(difficulty)
+    before, after = rng.sample(colors, 2)
+    low, high = {1: (0.45, 0.7), 2: (0.35, 0.6), 3: (0.25, 0.5)}[difficulty]
+    side = rng.randint(px(low, size, 3), px(high, size, 3))
+    kind = rng.choice(shapes_for(difficulty))
+    change = 2 if difficulty == 1 else rng.randint(1, MOTION_FRAMES - 1)
+    box = random_box(rng, size, side, side)
+    frames = []
+    for t in range(MOTION_FRAMES):
+        if difficulty > 1 and t:
+            box = random_box(rng, size, side, side)
+        frames.append((Shape(kind, COLORS[before if t < change else after], box),))
+    question = "The shape changes colour. What colour is it at the end? Answer with one word."
+    return Example(frames[0], question, after, frames=tuple(frames))
+
+
 def _int_range(lo: float, hi: float) -> tuple[int, int]:
     return -int(-lo // 1), int(hi // 1)
 
@@ -336,6 +360,7 @@ TASK_SPECS: dict[str, TaskSpec] = {
     "locate": TaskSpec(_locate, lambda d, s: ["[", ",", "]", *_number_words(0, s)]),
     "position": TaskSpec(_position, lambda d, s: list(_POSITIONS)),
     "motion": TaskSpec(_motion, lambda d, s: list(_DIRECTIONS), video=True),
+    "color_change": TaskSpec(_color_change, lambda d, s: colors_for(d), video=True),
 }
 
 TASKS: tuple[str, ...] = tuple(TASK_SPECS)
