@@ -364,6 +364,8 @@ TASK_SPECS: dict[str, TaskSpec] = {
 }
 
 TASKS: tuple[str, ...] = tuple(TASK_SPECS)
+#: The tasks whose rows hold a clip (`video`: a list of frames) instead of an image.
+VIDEO_TASKS: tuple[str, ...] = tuple(name for name, spec in TASK_SPECS.items() if spec.video)
 
 
 def check_task(task: str) -> TaskSpec:
