@@ -191,3 +191,14 @@ def test_check_dataset_checks_clips_like_images(tmp_path):
         check_dataset(Dataset.from_list([{"prompt": "<video>?", "videos": [_clip(), _clip()]}]))
     with pytest.raises(ValueError, match="column `clip` looks like it holds clips"):
         check_dataset(Dataset.from_list([{"prompt": "which way?", "clip": "a.mp4"}]))
+
+
+def test_a_clip_file_named_by_repeated_rows_is_decoded_once(tmp_path):
+    from conftest import write_video
+
+    path = write_video(tmp_path / "a.mp4")
+    memo: dict = {}
+    rows = [prepare_row({"prompt": "<video>?", "video": path}, clip_memo=memo) for _ in range(4)]
+    clips = [row["prompt"][0]["content"][0]["video"] for row in rows]
+    assert all(clip is clips[0] for clip in clips) and list(memo) == [path]
+    assert prepare_row({"prompt": "<video>?", "video": path})["prompt"][0]["content"][0]["video"] is not clips[0]

@@ -19,6 +19,7 @@ reward functions, so they receive the dataset's own format.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -325,7 +326,10 @@ def _unreadable(images: list[Any], clips: list[Any], index: int, name: str, skip
 
 
 def prepare_row(
-    row: dict[str, Any], budget: PixelBudget | None = None, video_budget: VideoBudget | None = None
+    row: dict[str, Any],
+    budget: PixelBudget | None = None,
+    video_budget: VideoBudget | None = None,
+    clip_memo: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A copy of a dataset row ready for TRL's multimodal path (images) or the trainer's own (clips).
 
@@ -337,7 +341,8 @@ def prepare_row(
     (`VideoBudget.load`; None: the default budget, no resizing) and every image and clip placed in the prompt's
     content blocks, with no `images` column: TRL would process the images without the clips. The row's own prompt,
     image and video columns and image sizes are kept for `rows_for_rewards` and `source_image_sizes`. Rows without an
-    image or video column are returned unchanged.
+    image or video column are returned unchanged. `clip_memo` (a dict the caller keeps for one batch) loads a clip
+    given by path once for all the rows that name it: TRL repeats every row for each of its generations.
     """
     column, clip_column = image_column(row), video_column(row)
     if column is None and clip_column is None:
@@ -361,8 +366,15 @@ def prepare_row(
         from .video_budget import VideoBudget
 
         video_budget = VideoBudget()
-    raw_clips = row_clips(row)
-    clips = [video_budget.load(clip) for clip in raw_clips]
+    clips = []
+    for value in row_clips(row):
+        key = os.fspath(value) if isinstance(value, str | os.PathLike) and clip_memo is not None else None
+        if key is None:
+            clips.append(video_budget.load(value))
+        else:
+            if key not in clip_memo:
+                clip_memo[key] = video_budget.load(value)
+            clips.append(clip_memo[key])
     source.update(video_column=clip_column, videos=row[clip_column])
     row = {k: v for k, v in row.items() if k not in VIDEO_COLUMNS}
     prompt = row.get("prompt")

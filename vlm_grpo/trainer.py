@@ -327,7 +327,8 @@ class VLMGRPOTrainer(GRPOTrainer):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        inputs = [prepare_row(row, self.pixel_budget, self.video_budget) for row in inputs]
+        memo: dict[str, Any] = {}  # a clip file named by several rows (each of TRL's repeats) is decoded once
+        inputs = [prepare_row(row, self.pixel_budget, self.video_budget, memo) for row in inputs]
         inputs = add_image_sizes(inputs, self.processing_class)  # grounding rewards map boxes back
         self._vision_rows = None  # set by `_tokenize_prompts` for a batch with clips
         try:

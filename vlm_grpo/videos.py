@@ -69,6 +69,10 @@ class Clip:
         """`(width, height)` of every frame."""
         return self.frames[0].size
 
+    def __deepcopy__(self, memo: dict) -> Clip:
+        # Never modified once loaded; TRL deep-copies every batch's prompts (and their media) before generating.
+        return self
+
     def metadata(self) -> dict[str, Any]:
         """The clip as transformers' `VideoMetadata` describes one (the processor's temporal positions read it)."""
         width, height = self.size
