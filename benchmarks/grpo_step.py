@@ -2,6 +2,7 @@
 
     python benchmarks/grpo_step.py --model qwen2.5-vl-3b --image_size 448 --steps 3
     python benchmarks/grpo_step.py --model qwen2.5-vl-3b --image_size 896 --load_in_4bit
+    python benchmarks/grpo_step.py --model qwen2.5-vl-3b --image_size 448 --video_frames 16   # clips, see below
 
 Runs each trainer in its own process (so neither inherits the other's CUDA caches or compiled graphs),
 alternating: `vlm-grpo` (VLMGRPOTrainer with FastVisionModel, its defaults), `trl` (trl.GRPOTrainer
@@ -12,6 +13,11 @@ the same amount. Per step it records wall time split into generation / scoring (
 log-probs, rewards) / training (forward, backward, optimizer), generated tokens per second and peak GPU
 memory; the first step is warm-up and excluded; medians are reported with ratios vlm-grpo / TRL.
 Writes `<out>/results.json` and `<out>/results.md`.
+
+With `--video_frames N` every prompt holds an N-frame clip of `--image_size`² noise frames instead of an image (the
+video processor's budget applies). TRL cannot take video, so the comparison is vlm-grpo against itself with both
+fast paths off (`vlm-grpo-off`: TRL's `model.generate` and TRL's per-row forward, with the clips passed beside it);
+those two are the default trainers then.
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ TRAINERS = (
     "vlm-grpo-plain",
     "vlm-grpo-light",
     "trl-bf16",
+    "vlm-grpo-off",
 )
+VIDEO_TRAINERS = ("vlm-grpo", "vlm-grpo-off")
 # vlm-grpo variants: the default (fast generation with LoRA merged while generating), the base weights kept in host
 # memory while merged (no GPU copy; fast_generation_merge_backup="host"), the vision tower attending window by window
 # (packed_vision_attention=False), LoRA left unmerged while
@@ -52,6 +60,7 @@ VLM_VARIANTS = {
     "vlm-grpo-unmerged": {"fast_generation_merge_lora": False},
     "vlm-grpo-plain": {"fast_generation": False},
     "vlm-grpo-light": {"fast_generation_quantized": "light"},
+    "vlm-grpo-off": {"fast_generation": False, "shared_prefix": False},  # both fast paths off: the video baseline
 }
 
 
@@ -60,7 +69,13 @@ def parse_args(argv=None):
     p.add_argument(
         "--model", default="qwen2.5-vl-3b", help="qwen2.5-vl-3b or qwen2.5-vl-7b (random weights); tiny: CPU smoke test"
     )
-    p.add_argument("--image_size", type=int, default=448, help="side of the square synthetic images")
+    p.add_argument("--image_size", type=int, default=448, help="side of the square synthetic images (or frames)")
+    p.add_argument(
+        "--video_frames",
+        type=int,
+        default=0,
+        help="frames per clip: every prompt holds a clip instead of an image (0: images)",
+    )
     p.add_argument("--prompts", type=int, default=2, help="prompts per step")
     p.add_argument("--num_generations", type=int, default=8, help="completions per prompt")
     p.add_argument("--completion_length", type=int, default=256, help="forced new tokens per completion")
@@ -75,7 +90,15 @@ def parse_args(argv=None):
                    help="cap every process at this much GPU memory (torch.cuda.set_per_process_memory_fraction), "
                    "e.g. 24 for a 24 GB card; a run that needs more fails with an out-of-memory error")  # fmt: skip
     p.add_argument("--beta", type=float, default=0.04)
-    p.add_argument("--trainers", default=",".join(TRAINERS), help="comma-separated subset of " + ",".join(TRAINERS))
+    p.add_argument(
+        "--trainers",
+        default=None,
+        help="comma-separated subset of "
+        + ",".join(TRAINERS)
+        + " (default: all; with --video_frames: "
+        + ",".join(VIDEO_TRAINERS)
+        + ")",
+    )
     p.add_argument("--checkpoint_dir", default="/tmp/vlm-grpo-bench", help="where the random checkpoint is cached")
     p.add_argument("--out", default="benchmarks/results", help="output folder for results.json / results.md")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -147,10 +170,16 @@ def _dataset(args):
 
     rng = np.random.default_rng(0)
     rows = []
+
+    def noise() -> Image.Image:
+        return Image.fromarray(rng.integers(0, 256, (args.image_size, args.image_size, 3), dtype=np.uint8))
+
     for _ in range(args.prompts * args.steps):
-        pixels = rng.integers(0, 256, (args.image_size, args.image_size, 3), dtype=np.uint8)
-        rows.append({"prompt": [{"role": "user", "content": "Describe the image in detail ."}],
-                     "image": Image.fromarray(pixels)})  # fmt: skip
+        if args.video_frames:
+            rows.append({"prompt": [{"role": "user", "content": "Describe the clip in detail ."}],
+                         "video": [noise() for _ in range(args.video_frames)]})  # fmt: skip
+        else:
+            rows.append({"prompt": [{"role": "user", "content": "Describe the image in detail ."}], "image": noise()})
     return Dataset.from_list(rows)
 
 
@@ -188,6 +217,8 @@ def run_worker(args) -> None:
         max_steps=args.steps if trainer_name in VLM_VARIANTS or args.steps_trl is None else args.steps_trl, logging_steps=1, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
     )  # fmt: skip
     dataset = _dataset(args)
+    if args.video_frames:  # every frame kept: the clip is the benchmark's input, not the sampler's choice
+        common["video_num_frames"] = args.video_frames
     records: list = []
     timer = _callback(records)
     load_start = time.perf_counter()
@@ -266,7 +297,12 @@ def _summary(run: dict, args) -> dict:
 
 
 def _markdown(summaries: dict, args, env: dict) -> str:
-    head = (f"{args.model}, {args.image_size}x{args.image_size} image, {args.prompts} prompts x {args.num_generations} "
+    media = (
+        f"{args.video_frames}-frame clip of {args.image_size}x{args.image_size}"
+        if args.video_frames
+        else (f"{args.image_size}x{args.image_size} image")
+    )
+    head = (f"{args.model}, {media}, {args.prompts} prompts x {args.num_generations} "
             f"generations, {args.completion_length} new tokens, {'full' if args.full else 'LoRA r=16 all linear'}, "
             f"gradient checkpointing {'off' if args.no_gradient_checkpointing else 'on'}, "
             f"{'4-bit' if args.load_in_4bit else '8-bit' if args.load_in_8bit else 'bf16'}, beta {args.beta}"
@@ -287,8 +323,8 @@ def _markdown(summaries: dict, args, env: dict) -> str:
 
     for mine in (n for n in summaries if n in VLM_VARIANTS):
         ours = summaries[mine]
-        for base in ("trl", "trl-static", "trl-bf16"):
-            if base in summaries:
+        for base in ("trl", "trl-static", "trl-bf16", "vlm-grpo-off"):
+            if base in summaries and base != mine:
                 b = summaries[base]
                 keys = (
                     "total_s",
@@ -318,7 +354,11 @@ def main(argv=None) -> None:
     env = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)", "torch": torch.__version__, "transformers": transformers.__version__,
            "trl": trl.__version__, "peft": peft.__version__}  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
-    trainers = [t for t in args.trainers.split(",") if t]
+    trainers = [t for t in (args.trainers or ",".join(VIDEO_TRAINERS if args.video_frames else TRAINERS)).split(",")
+                if t]  # fmt: skip
+    if args.video_frames and (no_video := [t for t in trainers if t not in VLM_VARIANTS]):
+        raise SystemExit(f"--video_frames: TRL has no video path, so {', '.join(no_video)} cannot run; compare "
+                         f"{', '.join(VIDEO_TRAINERS)}.")  # fmt: skip
     runs: dict = {t: [] for t in trainers}
     failures: dict = {}
     forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 from deprecation_guard import install as _install_deprecation_guard
@@ -92,3 +93,16 @@ def user_turn(*parts: str | None) -> list[dict]:
     """A chat prompt of one user message: each part a text, or None for an image placeholder."""
     content = [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]
     return [{"role": "user", "content": content}]
+
+
+def write_video(path, n: int = 10, fps: int = 8, size: tuple[int, int] = (32, 32)) -> str:
+    """An mp4 (MPEG-4 part 2) of `n` frames at `fps`, frame i grey level 20 i; PyAV encodes it."""
+    av = pytest.importorskip("av")
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
+        for i in range(n):
+            frame = av.VideoFrame.from_ndarray(np.full((size[1], size[0], 3), 20 * i, np.uint8), format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return str(path)

@@ -144,6 +144,7 @@ def test_help_is_quick_it_imports_neither_torch_nor_transformers():
         (["--resume_from_checkpoint", "runs/nowhere/checkpoint-20"], "runs/nowhere/checkpoint-20: no such directory"),
         (["--resume_from_checkpoint", "--overwrite_output_dir"], "choose one"),
         (["--dynamic_sampling", "--max_sampling_rounds", "0"], "max_sampling_rounds must be >= 1"),
+        (["--task", "color_change", "--model", "tiny:gemma3"], "video task and tiny:gemma3 takes no video"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_status_2_with_nothing_written(tmp_path, capsys, monkeypatch, args, message):
@@ -644,3 +645,26 @@ def test_your_own_colour_data_learns_offline_with_the_default_tiny_model(tmp_pat
     assert all(tokenizer.tokenize(word) == [word] for word in [*COLOURS, "square", "colour"])
     results = json.loads((out / "eval.json").read_text())
     assert results["before/accuracy"] <= 0.2 and results["after/accuracy"] >= 0.8, results
+
+
+@pytest.mark.trains
+def test_video_folder_and_the_video_task(tmp_path):
+    from conftest import write_video
+
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    lines = []
+    for i in range(6):
+        write_video(folder / f"{i}.mp4", n=8, fps=4)
+        lines.append(json.dumps({"prompt": "<video> Which way?", "video": f"{i}.mp4", "answer": "left"}))
+    (folder / "metadata.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "run"
+    proc = vlm_grpo("--dataset", str(folder), "--test_size", "2", "--output_dir", str(out), "--video_max_frames", "4",
+                    *TINY_RUN)  # fmt: skip
+    _assert_ok(proc)
+    assert "(clips, 2 prompts)" in proc.stdout
+    out = tmp_path / "task"
+    proc = vlm_grpo("--task", "color_change", "--model", "tiny:qwen3_vl", "--train_size", "8", "--test_size", "4",
+                    "--output_dir", str(out), *TINY_RUN)  # fmt: skip
+    _assert_ok(proc)
+    assert "synthetic task 'color_change'" in proc.stdout

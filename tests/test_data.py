@@ -9,7 +9,7 @@ import re
 
 import numpy as np
 import pytest
-from datasets import Dataset
+from datasets import Dataset, List
 from datasets import Image as ImageFeature
 from PIL import Image
 
@@ -17,6 +17,7 @@ from vlm_grpo.data import (
     BACKGROUND,
     COLORS,
     TASKS,
+    VIDEO_TASKS,
     answer_words,
     make_visual_reasoning_dataset,
 )
@@ -31,7 +32,15 @@ def _build(task: str, n: int, difficulty: int = 1, split: str = "train") -> Data
 
 
 def _image_bytes(ds: Dataset) -> list[bytes]:
+    """Each row's encoded image, or its clip's frames joined (video tasks)."""
+    if "video" in ds.column_names:
+        clips = ds.cast_column("video", List(ImageFeature(decode=False)))["video"]
+        return [b"".join(frame["bytes"] for frame in clip) for clip in clips]
     return [row["bytes"] for row in ds.cast_column("image", ImageFeature(decode=False))["image"]]
+
+
+def _first_image(row: dict) -> Image.Image:
+    return row["video"][0] if "video" in row else row["image"]
 
 
 def _pixels(img: Image.Image) -> np.ndarray:
@@ -75,18 +84,21 @@ def _tokens(answer: str) -> list[str]:
 def test_every_task_builds_with_schema(task: str, difficulty: int) -> None:
     ds = _build(task, 20, difficulty=difficulty)
     assert len(ds) == 20
-    expected = {"prompt", "image", "answer"}
+    media = "video" if task in VIDEO_TASKS else "image"
+    expected = {"prompt", media, "answer"}
     if task == "locate":
         expected |= {"bbox", "image_size"}
     assert set(ds.column_names) == expected
-    assert isinstance(ds.features["image"], ImageFeature)
+    feature = ds.features[media]
+    assert isinstance(feature.feature if task in VIDEO_TASKS else feature, ImageFeature)
     words = set(answer_words(task, difficulty))
     for row in ds:
         (message,) = row["prompt"]
         assert message["role"] == "user"
         assert isinstance(message["content"], str) and message["content"].endswith(".")
-        assert isinstance(row["image"], Image.Image)
-        assert row["image"].size == (56, 56) and row["image"].mode == "RGB"
+        for image in row["video"] if task in VIDEO_TASKS else [row["image"]]:
+            assert isinstance(image, Image.Image)
+            assert image.size == (56, 56) and image.mode == "RGB"
         assert isinstance(row["answer"], str)
         assert set(_tokens(row["answer"])) <= words, row["answer"]
 
@@ -95,7 +107,7 @@ def test_every_task_builds_with_schema(task: str, difficulty: int) -> None:
 def test_scales_to_other_sizes(task: str) -> None:
     for size in (28, 448):
         ds = make_visual_reasoning_dataset(task, 3, image_size=size, difficulty=3)
-        assert ds[0]["image"].size == (size, size)
+        assert _first_image(ds[0]).size == (size, size)
 
 
 def test_answer_words_nested_and_single_tokens() -> None:
@@ -244,3 +256,29 @@ def test_answer_words_bad_arguments() -> None:
         answer_words("nope")
     with pytest.raises(ValueError, match="difficulty"):
         answer_words("color", 0)
+
+
+# ------------------------------------------------------------------------ video
+
+
+@pytest.mark.parametrize("difficulty", DIFFICULTIES)
+def test_color_change_answer_is_the_colour_of_the_last_frames(difficulty: int) -> None:
+    ds = _build("color_change", 40, difficulty=difficulty)
+    for row in ds:
+        first, last = (set(map(tuple, _pixels(f).reshape(-1, 3))) - {BACKGROUND} for f in (row["video"][0],
+                                                                                          row["video"][-1]))  # fmt: skip
+        assert last == {COLORS[row["answer"]]} and first != last  # both colours are in the clip: order decides
+    assert set(ds["answer"]) == set(answer_words("color_change", difficulty))
+
+
+@pytest.mark.parametrize("difficulty", DIFFICULTIES)
+def test_motion_answer_is_the_way_the_shape_moves(difficulty: int) -> None:
+    ds = _build("motion", 40, difficulty=difficulty)
+    for row in ds:
+        frames = [_pixels(f) for f in row["video"]]
+        moving = np.any(frames[0] != frames[-1], axis=-1)  # where the moving shape was or went: still ones cancel
+        columns = np.nonzero(moving.any(axis=0))[0]
+        start = np.nonzero(np.any(frames[0] != BACKGROUND, axis=-1)[:, columns].any(axis=0))[0].mean()
+        end = np.nonzero(np.any(frames[-1] != BACKGROUND, axis=-1)[:, columns].any(axis=0))[0].mean()
+        assert ("right" if end > start else "left") == row["answer"]
+    assert set(ds["answer"]) == {"left", "right"}

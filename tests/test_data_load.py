@@ -110,3 +110,75 @@ def test_rows_with_missing_or_corrupt_images_are_skipped_by_their_line_before_th
         load_grpo_dataset(str(csv), skip_bad_rows=False)
     # Without decoding every image, a missing file is still found; the corrupt one is left to the trainer's check.
     assert len(load_grpo_dataset(str(csv), check_images=False)[0]) == 4
+
+
+# ----- clips: JSONL with paths, Parquet, video folders -----
+
+
+def _frames_folder(folder, n=4):
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        Image.new("RGB", (16, 16), (60 * i, 0, 0)).save(folder / f"frame_{i}.png")
+    return folder
+
+
+def test_jsonl_clip_paths_are_resolved_and_checked(tmp_path):
+    from conftest import write_video
+
+    write_video(tmp_path / "a.mp4")
+    _frames_folder(tmp_path / "b")
+    rows = [
+        {"problem": "<video> Which way?", "video": "a.mp4", "answer": "left"},  # a video file
+        {"problem": "Which way?", "video": "b", "answer": "right"},  # a folder of frames
+        {"problem": "Which way?", "video": None, "answer": "none"},  # a row without a clip
+    ]
+    train, _ = load_grpo_dataset(_jsonl(tmp_path, rows))
+    assert sorted(train.column_names) == ["answer", "prompt", "video"]
+    assert train[0]["video"] == str(tmp_path / "a.mp4") and train[1]["video"] == str(tmp_path / "b")
+    assert [b["type"] for b in train[0]["prompt"][0]["content"]] == ["video", "text"]
+    assert [b["type"] for b in train[1]["prompt"][0]["content"]] == ["video", "text"]  # before the question
+    assert check_dataset(train)[1].indices == []  # the trainer opens every clip: all readable
+    # A missing clip is a bad row like a missing image (skipped; here the only row, so refused).
+    with pytest.raises(DatasetError, match="1 of 1 rows have missing or unreadable images or clips"):
+        load_grpo_dataset(_jsonl(tmp_path, [{"problem": "?", "video": "gone.mp4", "answer": "x"}]))
+    with pytest.raises(DatasetError, match="2 <video> placeholder"):
+        load_grpo_dataset(_jsonl(tmp_path, [{"problem": "<video><video>", "video": "a.mp4", "answer": "x"}]))
+
+
+def test_a_named_clip_column_of_frame_paths_is_one_clip_and_of_videos_several(tmp_path):
+    from conftest import write_video
+
+    _frames_folder(tmp_path / "f")
+    write_video(tmp_path / "a.mp4")
+    rows = [{"q": "Which way?", "frames": [f"f/frame_{i}.png" for i in range(4)], "clips": ["a.mp4", "a.mp4"],
+             "answer": "left"}]  # fmt: skip
+    one, _ = load_grpo_dataset(_jsonl(tmp_path, rows), prompt_column="q", video_column="frames")
+    assert "video" in one.column_names and len(one[0]["video"]) == 4
+    several, _ = load_grpo_dataset(_jsonl(tmp_path, rows), prompt_column="q", video_column="clips")
+    assert "videos" in several.column_names
+    assert [b["type"] for b in several[0]["prompt"][0]["content"]] == ["video", "video", "text"]
+
+
+def test_parquet_with_encoded_clips_and_a_video_folder_with_splits(tmp_path):
+    from conftest import write_video
+    from datasets import Dataset
+
+    path = write_video(tmp_path / "a.mp4")
+    with open(path, "rb") as f:
+        data = f.read()
+    Dataset.from_list([{"question": "Which way?", "video": data, "answer": "left"}]).to_parquet(tmp_path / "d.parquet")
+    train, _ = load_grpo_dataset(str(tmp_path / "d.parquet"))
+    assert train[0]["video"]["bytes"] == data and check_dataset(train)[1].indices == []
+
+    folder = tmp_path / "clips"
+    for split in ("train", "test"):
+        _frames_folder(folder / split / "c0")
+        write_video(folder / split / "c1.mp4")
+        (folder / split / "metadata.jsonl").write_text(
+            json.dumps({"prompt": "Which way?", "video": "c0", "answer": "left"}) + "\n"
+            + json.dumps({"prompt": "Which way?", "video": "c1.mp4", "answer": "right"}) + "\n"
+        )  # fmt: skip
+    train, test = load_grpo_dataset(str(folder), eval_split="test")
+    assert (len(train), len(test)) == (2, 2) and test[1]["video"] == str(folder / "test" / "c1.mp4")
+    with pytest.raises(DatasetError, match="no validation/ folder"):
+        load_grpo_dataset(str(folder / "train"), eval_split="validation")

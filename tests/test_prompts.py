@@ -52,3 +52,25 @@ def test_both_image_columns_are_refused_not_guessed(tmp_path):
         load_grpo_dataset(str(tmp_path / "d.jsonl"))
     train, _ = load_grpo_dataset(str(tmp_path / "d.jsonl"), image_column="images")  # named: no guessing needed
     assert len(train[0]["images"]) == 1
+
+
+def test_video_placeholders_and_blocks_are_placed_like_images():
+    from vlm_grpo.prompts import place_media, video_column
+
+    assert user_content("<video> then <image>?") == [
+        {"type": "video"}, {"type": "text", "text": " then "}, {"type": "image"}, {"type": "text", "text": "?"},
+    ]  # fmt: skip
+    assert user_content("which way?", n_images=1, n_videos=1) == [
+        {"type": "image"}, {"type": "video"}, {"type": "text", "text": "which way?"},
+    ]  # fmt: skip
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Which way <video>?"}]
+    placed = place_media(chat, [], ["clip"])
+    assert placed[0] == chat[0]
+    assert placed[1]["content"] == [
+        {"type": "text", "text": "Which way "}, {"type": "video", "video": "clip"}, {"type": "text", "text": "?"},
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="1 video block"):
+        place_media(chat, [], [])
+    with pytest.raises(ValueError, match="both a `video` and a `videos` column"):
+        video_column(["prompt", "video", "videos"])
+    assert video_column(["prompt", "videos"]) == "videos" and video_column(["prompt"]) is None

@@ -158,3 +158,62 @@ def test_rows_for_rewards_give_back_the_dataset_format():
     chat_rows = [prepare_row({"prompt": chat, "images": [_img()]})]
     _, prompts, completions = rows_for_rewards(chat_rows, [chat], trl_completions[:1], [[1]], lambda ids: 1 / 0)
     assert prompts == [chat] and completions == trl_completions[:1]
+
+
+# ----- clips -----
+
+
+def _clip(n=4, size=(28, 28)):
+    return [Image.new("RGB", size, (40 * i, 0, 0)) for i in range(n)]
+
+
+def test_a_row_with_clips_gets_every_image_and_clip_placed_in_its_prompt():
+    from vlm_grpo.rows import dataset_row, row_clips, row_images
+    from vlm_grpo.videos import Clip
+
+    row = {"prompt": "Compare <image> with <video>.", "image": _img(), "video": _clip(), "answer": "left"}
+    prepared = prepare_row(row)
+    assert "images" not in prepared and "video" not in prepared  # TRL must not process the images without the clips
+    [message] = prepared["prompt"]
+    assert [part["type"] for part in message["content"]] == ["text", "image", "text", "video", "text"]
+    [clip] = row_clips(prepared)
+    assert isinstance(clip, Clip) and len(clip.frames) == 4 and len(row_images(prepared)) == 1
+    back = dataset_row(prepared)  # what the rewards get: the dataset's own columns
+    assert back["prompt"] == row["prompt"] and back["video"] is row["video"] and back["answer"] == "left"
+    assert back["image"].size == (28, 28)
+    no_clip = prepare_row({"prompt": "Just text.", "video": None, "answer": "x"})
+    assert no_clip["prompt"] == [{"role": "user", "content": "Just text."}] and row_clips(no_clip) == []
+
+
+def test_check_dataset_checks_clips_like_images(tmp_path):
+    from conftest import write_video
+
+    from vlm_grpo.videos import VideoError
+
+    uneven = _clip(2) + [Image.new("RGB", (30, 28))]
+    rows = [{"prompt": "<video> which way?", "video": c} for c in (_clip(), uneven, [], _clip())]
+    checked, skipped = check_dataset(Dataset.from_list(rows))
+    assert len(checked) == 2 and skipped.indices == [1, 2]
+    assert "frame 2 is 30x28" in skipped.reasons[0] and "has no frames" in skipped.reasons[1]
+    files = [write_video(tmp_path / "ok.mp4"), str(tmp_path / "missing.mp4")]
+    checked, skipped = check_dataset(Dataset.from_list([{"prompt": "<video>?", "video": f} for f in files]))
+    assert len(checked) == 1 and skipped.indices == [1] and "video not found" in skipped.reasons[0]
+    with pytest.raises(VideoError, match="row 0, clip 0: .*frame 2 is 30x28 but frame 0 is 28x28"):
+        check_dataset(Dataset.from_list([{"prompt": "<video>?", "video": uneven}]), skip_bad_rows=False)
+    with pytest.raises(ValueError, match="video placeholders but the dataset has no `video` or `videos` column"):
+        check_dataset(Dataset.from_list([{"prompt": "What happens in <video>?"}]))
+    with pytest.raises(ValueError, match="1 <video> placeholder"):
+        check_dataset(Dataset.from_list([{"prompt": "<video>?", "videos": [_clip(), _clip()]}]))
+    with pytest.raises(ValueError, match="column `clip` looks like it holds clips"):
+        check_dataset(Dataset.from_list([{"prompt": "which way?", "clip": "a.mp4"}]))
+
+
+def test_a_clip_file_named_by_repeated_rows_is_decoded_once(tmp_path):
+    from conftest import write_video
+
+    path = write_video(tmp_path / "a.mp4")
+    memo: dict = {}
+    rows = [prepare_row({"prompt": "<video>?", "video": path}, clip_memo=memo) for _ in range(4)]
+    clips = [row["prompt"][0]["content"][0]["video"] for row in rows]
+    assert all(clip is clips[0] for clip in clips) and list(memo) == [path]
+    assert prepare_row({"prompt": "<video>?", "video": path})["prompt"][0]["content"][0]["video"] is not clips[0]

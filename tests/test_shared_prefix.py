@@ -217,3 +217,95 @@ def test_unsupported_models_and_settings_are_named(tiny_dir):
     assert "image_sizes" in unsupported_reason(model, image_sizes=torch.ones(1, 2))
     model.config.get_text_config()._attn_implementation = "flash_attention_2"
     assert "flash_attention_2" in unsupported_reason(model)
+
+
+# ----- clips (Qwen-VL): the rows' vision inputs travel with the batch; the plain path is TRL's per-row forward -----
+
+VIDEO_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+
+
+def _clip(color, frames=4, size=(56, 56)):
+    return [Image.new("RGB", size, tuple(min(255, c + 30 * t) for c in color)) for t in range(frames)]
+
+
+def _clip_rows():
+    red, blue = _clip((200, 0, 0)), _clip((0, 0, 200), 3, (48, 56))
+    text = {"prompt": "Say red.", "video": None, "image": None}
+    clip = {"prompt": "<video> Which way?", "video": red, "image": None}
+    both = {"prompt": "<image> and <video>?", "video": blue, "image": Image.new("RGB", (56, 56), (0, 255, 0))}
+    # Same tokens as `clip`, other frames: a group of one the shared path must keep apart.
+    other_frames = {"prompt": "<video> Which way?", "video": _clip((0, 200, 0)), "image": None}
+    return [text, text, clip, clip, both, both, other_frames, clip]
+
+
+def _clip_trainer(tiny_dir, tmp_path, family, lora="both"):
+    model, processor = FastVisionModel.from_pretrained(tiny_dir(family, words=COLORS), full_finetuning=False)
+    model = FastVisionModel.get_peft_model(model, r=4, init_lora_weights=False)
+    args = VLMGRPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=2, max_completion_length=6,
+        report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0, video_max_frames=4,
+        **checkpointing_settings(False, {}),
+    )  # fmt: skip
+    return VLMGRPOTrainer(model, [_zero_reward], args=args, train_dataset=Dataset.from_list(_clip_rows()),
+                          processing_class=processor)  # fmt: skip
+
+
+def _clip_batch(trainer):
+    from vlm_grpo.trainer import VISION_ROWS
+
+    torch.manual_seed(0)
+    inputs = trainer._generate_and_score_completions(_clip_rows())
+    assert len(inputs[VISION_ROWS]) == 8 and sum(r["num_videos"] for r in inputs[VISION_ROWS]) == 6
+    lengths = torch.tensor([6, 3, 1, 5, 0, 4, 2, 6])
+    inputs["completion_mask"] = inputs["completion_mask"] * (torch.arange(6)[None] < lengths[:, None]).int()
+    inputs["advantages"] = torch.randn(len(lengths))
+    return shuffle_sequence_dict(inputs)  # the rows' vision inputs are shuffled with them, as TRL shuffles
+
+
+@pytest.mark.trains
+@pytest.mark.parametrize("family", VIDEO_FAMILIES)
+def test_clips_logps_loss_and_every_gradient_match_the_plain_path(tiny_dir, tmp_path, family):
+    from vlm_grpo.trainer import VISION_ROWS
+
+    trainer = _clip_trainer(tiny_dir, tmp_path, family)
+    inputs = _clip_batch(trainer)
+    mask = inputs["completion_mask"].bool()
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    results, encoded = {}, {}
+    with torch.no_grad():
+        for shared in (False, True):
+            trainer.args.shared_prefix = shared
+            trainer._vision_rows = inputs[VISION_ROWS]
+            counter = _CountImages(trainer.model)
+            results[shared] = trainer._get_per_token_logps_and_entropies(
+                trainer.model, input_ids, attention_mask, 6, batch_size=3, compute_entropy=True
+            )[:2]
+            counter.handle.remove()
+            encoded[shared] = sum(counter.counts)
+            trainer._vision_rows = None
+    (plain, plain_entropy), (shared, shared_entropy) = results[False], results[True]
+    assert (shared - plain)[mask].abs().max() < 1e-4 and (shared_entropy - plain_entropy)[mask].abs().max() < 1e-4
+    assert plain[mask].std() > 0.1 and not getattr(trainer, "shared_prefix_fallbacks", {})
+    # Every row's clips and images reach the vision tower on the plain path (6 clips, 2 images); each group's once on
+    # the shared path (the three `clip` rows, the two `both` rows and the frames-only twin: 3 clips, 1 image).
+    assert encoded == {False: 8, True: 4}
+
+    model = trainer.model
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    grads = {}
+    for shared in (False, True):
+        trainer.args.shared_prefix = shared
+        model.zero_grad()
+        loss = trainer.compute_loss(model, inputs)
+        loss.backward()
+        grads[shared] = loss.detach(), {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
+    (plain_loss, plain_grads), (shared_loss, shared_grads) = grads[False], grads[True]
+    assert torch.isfinite(plain_loss) and abs(shared_loss - plain_loss) <= 1e-3 * abs(plain_loss) + 1e-6
+    assert set(shared_grads) == set(plain_grads) == set(params)
+    for name, grad in plain_grads.items():
+        assert grad.norm() > 0, name
+        assert (shared_grads[name] - grad).norm() <= 1e-3 * grad.norm(), name
+    assert any(".visual." in n for n in plain_grads)  # the vision tower learns from the clips

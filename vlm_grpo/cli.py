@@ -71,6 +71,7 @@ def build_task(script: ScriptArguments, config: Any) -> Task:
             script.dataset, script.dataset_split, name=script.dataset_config, eval_split=script.eval_split,
             test_size=0.1 if script.test_size is None else script.test_size, seed=config.seed,
             prompt_column=script.prompt_column, image_column=script.image_column, answer_column=script.answer_column,
+            video_column=script.video_column,
             system_prompt=script.system_prompt, prompt_template=script.prompt_template, **rewards,
             check_images=config.check_images, skip_bad_rows=config.skip_bad_rows, stop_hint="--no_skip_bad_rows",
         )  # fmt: skip
@@ -195,6 +196,7 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     from .evaluation import evaluate
     from .reward_checks import reward_name
     from .trainer import VLMGRPOTrainer
+    from .video_budget import VIDEO_SETTINGS
 
     check_args(script, config)
     resume = resume_checkpoint(script, config)
@@ -212,7 +214,8 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     model, processor = _load(script, config, task.answer_words)
     # Greedy decoding for accuracy: what a user of the trained model gets; the task's accuracy reward decides it.
     score = {"max_new_tokens": script.eval_max_new_tokens or config.max_completion_length,
-             "min_pixels": config.min_pixels, "max_pixels": config.max_pixels}  # fmt: skip
+             "min_pixels": config.min_pixels, "max_pixels": config.max_pixels,
+             **{k: getattr(config, k) for k in VIDEO_SETTINGS}}  # fmt: skip
     before: dict[str, float] = {}
     if task.test is not None:
         before = evaluate(model, processor, task.test, task.eval_funcs, **score)

@@ -105,7 +105,10 @@ class ScriptArguments:
     )  # fmt: skip
     task: str = field(
         default=DEMO.task,
-        metadata={"help": "Synthetic task (without --dataset): color, count, spatial, arithmetic, locate, position."},
+        metadata={
+            "help": "Synthetic task (without --dataset): color, count, spatial, arithmetic, locate, position, "
+            "or the video task motion (which way a shape moves; Qwen-VL models)."
+        },
     )
     difficulty: int = field(
         default=DEMO.difficulty, metadata={"help": "Synthetic task difficulty 1-3 (1: four colours, chance 0.25)."}
@@ -136,6 +139,11 @@ class ScriptArguments:
     image_column: str | None = field(
         default=None, metadata={"help": "Image column, one image or a list (default: images or image)."}
     )
+    video_column: str | None = field(
+        default=None,
+        metadata={"help": "Clip column: a video file, a frame folder or a list of frame paths per row, or a list of "
+                  "video files (default: videos or video). Qwen-VL models."},
+    )  # fmt: skip
     answer_column: str | None = field(
         default=None,
         metadata={"help": "Gold-answer column, passed to rewards as `answer` (default: answer or solution)."},
@@ -321,6 +329,20 @@ def resolve_rewards(names: list[str] | None) -> list[Any]:
         raise UsageError(str(error)) from error
 
 
+def _check_video_task(script: ScriptArguments) -> None:
+    """A video task on a tiny family that takes no video is refused before anything is built."""
+    from .data.tasks import TASK_SPECS
+    from .families import FAMILIES, model_types
+
+    family = FAMILIES.get(script.model[len(TINY_PREFIX) :]) if script.model.startswith(TINY_PREFIX) else None
+    spec = TASK_SPECS.get(script.task) if script.dataset is None else None
+    if spec is not None and spec.video and family is not None and not family.supports_video:
+        raise UsageError(
+            f"--task {script.task} is a video task and {script.model} takes no video; use one of "
+            f"{', '.join(TINY_PREFIX + t for t in model_types(lambda f: f.supports_video and f.tiny))}."
+        )
+
+
 def check_args(script: ScriptArguments, config: Any) -> None:
     """Every check that needs no model or data, before anything is written; raises `UsageError`."""
     from .data import DIFFICULTIES, TASKS
@@ -346,6 +368,7 @@ def check_args(script: ScriptArguments, config: Any) -> None:
         raise UsageError(
             f"Unknown tiny family {script.model[len(TINY_PREFIX) :]!r}; choose one of {', '.join(TINY_FAMILIES)}."
         )
+    _check_video_task(script)
     if script.model.startswith((".", "/", "~")) and not os.path.exists(os.path.expanduser(script.model)):
         raise UsageError(f"--model {script.model}: no such directory.")
     try:

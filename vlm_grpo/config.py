@@ -16,6 +16,7 @@ from .compat import CHECKPOINTING_ARG
 from .engine.fast_generation import MERGE_BACKUPS
 from .engine.quantized_generation import QUANTIZED_MODES
 from .images import check_pixel_budget
+from .video_budget import DEFAULT_FPS, DEFAULT_MAX_FRAMES, check_frame_sampling
 
 __all__ = ["VLMGRPOConfig"]
 
@@ -86,16 +87,38 @@ class VLMGRPOConfig(GRPOConfig):
                   "input size after it, so there it bounds detail, not tokens. None: the processor's own (Qwen-VL), "
                   "else no bound."},
     )  # fmt: skip
+    video_fps: float = field(
+        default=DEFAULT_FPS,
+        metadata={"help": "Frames sampled per second of a video file (Qwen-VL's own rate: 2), at most "
+                  "video_max_frames, spread evenly. Frames given as a list or folder are taken to be at this rate."},
+    )  # fmt: skip
+    video_max_frames: int = field(
+        default=DEFAULT_MAX_FRAMES,
+        metadata={"help": "Most frames of a clip the model sees (memory grows with frames x pixels x generations)."},
+    )
+    video_num_frames: int | None = field(
+        default=None,
+        metadata={"help": "Exactly this many frames per clip, evenly spread (instead of video_fps). None: by rate."},
+    )
+    video_min_pixels: int | None = field(
+        default=None,
+        metadata={"help": "Qwen-VL video budget, lower bound: written into the video processor's size['shortest_edge'] "
+                  "(per frame for Qwen2/2.5-VL, frames x area of the clip for Qwen3-VL). None: the processor's own."},
+    )  # fmt: skip
+    video_max_pixels: int | None = field(
+        default=None,
+        metadata={"help": "Qwen-VL video budget, upper bound: written into the video processor's size['longest_edge'] "
+                  "(per frame for Qwen2/2.5-VL, frames x area of the clip for Qwen3-VL), so it bounds the video "
+                  "tokens. None: the processor's own."},
+    )  # fmt: skip
     check_images: bool = field(
         default=True,
-        metadata={
-            "help": "Decode every dataset image once before training, so corrupt files surface up front "
-            "(missing files are found either way)."
-        },
-    )
+        metadata={"help": "Decode every dataset image once (and open every clip) before training, so corrupt files "
+                  "surface up front (missing files are found either way)."},
+    )  # fmt: skip
     skip_bad_rows: bool = field(
         default=True,
-        metadata={"help": "Drop rows whose images are missing or cannot be read (logged and counted in "
+        metadata={"help": "Drop rows whose images or clips are missing or cannot be read (logged and counted in "
                   "`trainer.skipped_rows`); more than half the rows bad is refused. False: raise at the first."},
     )  # fmt: skip
     fast_generation: bool = field(
@@ -174,6 +197,8 @@ class VLMGRPOConfig(GRPOConfig):
                 f"fast_generation_merge_backup must be one of {', '.join(MERGE_BACKUPS)}, "
                 f"got {self.fast_generation_merge_backup!r}."
             )
+        check_pixel_budget(self.video_min_pixels, self.video_max_pixels)
+        check_frame_sampling(self.video_fps, self.video_max_frames, self.video_num_frames)
         if self.fast_generation_quantized not in QUANTIZED_MODES:
             raise ValueError(
                 f"fast_generation_quantized must be one of {', '.join(QUANTIZED_MODES)}, "

@@ -11,8 +11,11 @@ import torch
 from .image_sizes import add_image_sizes
 from .modes import generating
 from .pixel_budget import pixel_budget_for_call
+from .processing import holds_clips, process_prompts
+from .prompts import VIDEO_COLUMNS, video_column
 from .reward_checks import reward_name
 from .rows import check_dataset, dataset_row, prepare_row, row_images
+from .video_budget import video_budget_for_call
 
 __all__ = ["evaluate", "pass_at_k", "sample_completions"]
 
@@ -41,6 +44,7 @@ def evaluate(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     seed: int = 0,
+    **video: Any,
 ) -> dict[str, float]:
     """Generate for every row and score with `reward_funcs`.
 
@@ -54,6 +58,9 @@ def evaluate(
         min_pixels / max_pixels: image pixel budget for this call (None: the processor's own, which is the training
             budget after `VLMGRPOTrainer`). A Qwen-VL processor gets it for the call and its own back afterwards;
             for other processors images are fitted to it first (see `vlm_grpo.pixel_budget`).
+        video: the video budget for rows with clips, as `VLMGRPOConfig` names it (`video_fps`, `video_max_frames`,
+            `video_num_frames`, `video_min_pixels`, `video_max_pixels`); unset ones are the defaults, or the
+            processor's own pixel budget (`vlm_grpo.video_budget`), which it gets back afterwards.
 
     Returns:
         `{"mean_reward": ..., "accuracy": ..., "reward/<name>": ..., "pass@k": ...}` with pass@k for k = 1, 2, 4, ...
@@ -65,7 +72,7 @@ def evaluate(
     rewards: dict[str, list[float]] = {reward_name(f): [] for f in funcs}
     correct_per_row: list[int] = []
     batches = _scored_batches(model, processor, dataset, funcs, num_generations, max_new_tokens, temperature,
-                              batch_size, min_pixels, max_pixels, seed)  # fmt: skip
+                              batch_size, min_pixels, max_pixels, seed, video)  # fmt: skip
     for _, scores in batches:
         for name, values in scores.items():
             rewards[name].extend(float("nan") if v is None else float(v) for v in values)
@@ -98,17 +105,19 @@ def sample_completions(
     batch_size: int = 16,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
+    **video: Any,
 ) -> list[dict[str, Any]]:
     """The model's greedy completion for every row of `dataset`, with each reward function's score.
 
     Returns one dict per row: `{"completion": text, "<reward name>": score, ...}` (a score is None where the reward
-    could not score the row). Rows are handled as in `evaluate` (and the trainer); e.g. to show what a model answers
+    could not score the row). Rows are handled as in `evaluate` (and the trainer; `video` as there); e.g. to show what
+    a model answers
     before and after training with `vlm_grpo.display.CompletionTable`.
     """
     funcs = _check_funcs(reward_funcs, allow_none=True)
     samples: list[dict[str, Any]] = []
     batches = _scored_batches(model, processor, dataset, funcs, 1, max_new_tokens, 1.0, batch_size, min_pixels,
-                              max_pixels, 0)  # fmt: skip
+                              max_pixels, 0, video)  # fmt: skip
     for completions, scores in batches:
         for i, completion in enumerate(completions):
             samples.append({"completion": completion, **{name: values[i] for name, values in scores.items()}})
@@ -123,12 +132,16 @@ def _check_funcs(reward_funcs: Callable | Sequence[Callable], allow_none: bool =
 
 
 def _scored_batches(model, processor, dataset, funcs, num_generations, max_new_tokens, temperature, batch_size,
-                    min_pixels, max_pixels, seed) -> Iterator[tuple[list[str], dict[str, list[float | None]]]]:  # fmt: skip
+                    min_pixels, max_pixels, seed, video) -> Iterator[tuple[list[str], dict[str, list[float | None]]]]:  # fmt: skip
     """Generate for the rows of `dataset` batch by batch (inference mode, seeded); yield each batch's completions
     (`num_generations` per row, in row order) and every reward function's scores of them."""
     if batch_size < 1:
         raise ValueError("batch_size must be at least 1.")
     dataset, _ = check_dataset(dataset, "dataset", check_images=False)
+    if video_column(dataset.column_names):
+        from .processing import check_video_support
+
+        check_video_support(processor, model)
     tokenizer = getattr(processor, "tokenizer", processor)
     padding_side = tokenizer.padding_side
     device = next(model.parameters()).device
@@ -137,10 +150,14 @@ def _scored_batches(model, processor, dataset, funcs, num_generations, max_new_t
     # Inference mode for the call, then the model's own mode back exactly (train/eval, checkpointing and its kwargs):
     # an evaluation before training must not change how the trainer trains.
     try:
-        with generating(model), pixel_budget_for_call(processor, min_pixels, max_pixels) as budget:
+        with (
+            generating(model),
+            pixel_budget_for_call(processor, min_pixels, max_pixels) as budget,
+            video_budget_for_call(processor, **video) as clip_budget,
+        ):
             tokenizer.padding_side = "left"
             yield from _batches(model, processor, dataset, funcs, num_generations, max_new_tokens, temperature,
-                                batch_size, budget, device)  # fmt: skip
+                                batch_size, (budget, clip_budget), device)  # fmt: skip
     finally:
         tokenizer.padding_side = padding_side
         torch.random.set_rng_state(generator_state)
@@ -150,10 +167,11 @@ def _batches(model, processor, dataset, funcs, num_generations, max_new_tokens, 
              device) -> Iterator[tuple[list[str], dict[str, list[float | None]]]]:  # fmt: skip
     for start in range(0, len(dataset), batch_size):
         raw = [dict(r) for r in dataset.select(range(start, min(start + batch_size, len(dataset))))]
-        rows = add_image_sizes([prepare_row(r, budget) for r in raw], processor)
+        rows = add_image_sizes([prepare_row(r, *budget) for r in raw], processor)
         completions = _generate(model, processor, rows, num_generations, max_new_tokens, temperature, device)
         expanded = [dataset_row(row) for row in rows for _ in range(num_generations)]
-        columns = {k: [row.get(k) for row in expanded] for k in expanded[0] if k not in ("prompt", "image", "images")}
+        media = ("prompt", "image", "images", *VIDEO_COLUMNS)
+        columns = {k: [row.get(k) for row in expanded] for k in expanded[0] if k not in media}
         prompts = [row["prompt"] for row in expanded]
         scores = {reward_name(func): list(func(prompts=prompts, completions=completions, **columns)) for func in funcs}
         yield completions, scores
@@ -162,29 +180,34 @@ def _batches(model, processor, dataset, funcs, num_generations, max_new_tokens, 
 def _generate(model, processor, rows, num_generations, max_new_tokens, temperature, device) -> list[str]:
     from trl.data_utils import prepare_multimodal_messages
 
-    images = []
-    prompts = []
-    for row in rows:
-        images_of_row = row_images(row)
-        prompt = row["prompt"]
-        if isinstance(prompt, list):
-            prompt = prepare_multimodal_messages(prompt, images=images_of_row)
-        prompts.append(prompt)
-        images.append(images_of_row)
-    if isinstance(prompts[0], list):
-        text = processor.apply_chat_template(prompts, add_generation_prompt=True, tokenize=False)
+    if holds_clips([row["prompt"] for row in rows]):  # images and clips already placed (prepare_row)
+        inputs = process_prompts(processor, [row["prompt"] for row in rows], return_tensors="pt", padding=True)
+        inputs = {k: v for k, v in inputs.items() if k not in ("num_images", "num_videos")}
     else:
-        text = prompts
-    has_images = any(images)
-    inputs = processor(text=text, images=images if has_images else None, return_tensors="pt", padding=True)
+        images = []
+        prompts = []
+        for row in rows:
+            images_of_row = row_images(row)
+            prompt = row["prompt"]
+            if isinstance(prompt, list):
+                prompt = prepare_multimodal_messages(prompt, images=images_of_row)
+            prompts.append(prompt)
+            images.append(images_of_row)
+        if isinstance(prompts[0], list):
+            text = processor.apply_chat_template(prompts, add_generation_prompt=True, tokenize=False)
+        else:
+            text = prompts
+        has_images = any(images)
+        inputs = processor(text=text, images=images if has_images else None, return_tensors="pt", padding=True)
     inputs = {k: v.to(device) if hasattr(v, "to") else v for k, v in inputs.items()}
     sampling = num_generations > 1
-    # As in TRL's rollouts: a sampled image placeholder token would have no image features behind it, and since
+    # As in TRL's rollouts: a sampled image (or video) placeholder token would have no features behind it, and since
     # training never lets the model emit it, its logit is untrained and can win under greedy decoding.
     config = getattr(model, "config", None)
     image_token = getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None)
+    suppressed = [t for t in (image_token, getattr(config, "video_token_id", None)) if t is not None]
     outputs = model.generate(
-        suppress_tokens=[image_token] if image_token is not None else None,
+        suppress_tokens=suppressed or None,
         **inputs,
         max_new_tokens=max_new_tokens,
         do_sample=sampling,

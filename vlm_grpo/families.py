@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 Rope = Literal["mrope", "1d"]
+VideoBudget = Literal["frame", "clip"]
 BoxFrame = Literal["qwen2_vl", "qwen2_5_vl"]
 
 # Attribute names other (unregistered) transformers VLMs keep their vision encoder under, so the hooks and 4-bit
@@ -63,8 +64,12 @@ class Family:
     #: ``image_processor.size["shortest_edge"]`` (min_pixels) / ``["longest_edge"]`` (max_pixels), as Qwen-VL's
     #: ``smart_resize`` does; otherwise it resizes to a fixed input size and a budget can only be applied before it.
     pixel_budget: bool
-    #: The video processor class the processor bundles (None: images only). Its base class imports torchvision.
+    #: The video processor class the processor bundles (None: images only). Its base class imports torchvision, so
+    #: without it `vlm_grpo.video_processor` stands in (PIL and torch only).
     video_processor: str | None
+    #: What the video processor's pixel budget (``video_processor.size``) bounds: each frame's area ("frame",
+    #: Qwen2/2.5-VL) or frames x area of the whole clip ("clip", Qwen3-VL); None without video.
+    video_budget: VideoBudget | None
     #: Attribute name of the vision encoder, and of the module that maps its features into the language model
     #: (inside the vision tower for Qwen-VL).
     vision_tower: str
@@ -114,6 +119,7 @@ _QWEN2_VL = Family(
     pil_image_processor="Qwen2VLImageProcessorPil",
     pixel_budget=True,
     video_processor="Qwen2VLVideoProcessor",
+    video_budget="frame",
     vision_tower="visual",
     projector="merger",
     image_inputs=("pixel_values", "image_grid_thw"),
@@ -133,7 +139,7 @@ _QWEN2_5_VL = dataclasses.replace(
 # layers to give another).
 _QWEN3_VL = dataclasses.replace(
     _QWEN2_VL, model_type="qwen3_vl", processor_class="Qwen3VLProcessor", video_processor="Qwen3VLVideoProcessor",
-    dict_mask=False,
+    video_budget="clip", dict_mask=False,
 )  # fmt: skip
 # The mixture-of-experts text model under the same vision side. Not served by shared-prefix scoring yet: it has no
 # tiny model to check it against.
@@ -147,6 +153,7 @@ _GEMMA3 = Family(
     pil_image_processor="Gemma3ImageProcessorPil",
     pixel_budget=False,  # every image becomes one fixed square
     video_processor=None,
+    video_budget=None,
     vision_tower="vision_tower",
     projector="multi_modal_projector",
     image_inputs=("pixel_values",),
@@ -168,6 +175,7 @@ _IDEFICS3 = Family(
     pil_image_processor="Idefics3ImageProcessorPil",
     pixel_budget=False,  # the longest edge is resized to size["longest_edge"], then cut into tiles
     video_processor=None,
+    video_budget=None,
     vision_tower="vision_model",
     projector="connector",
     image_inputs=("pixel_values", "pixel_attention_mask"),

@@ -76,7 +76,8 @@ OVERRIDDEN: tuple[PrivateMethod, ...] = (
     PrivateMethod(_GRPO, "_get_per_token_logps_and_entropies",
                   ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
                    "compute_aux_loss", *_MULTIMODAL_INPUTS), "trainer: engine.shared_prefix"),
-    PrivateMethod(_GRPO, "_tokenize_prompts", ("prompts",), "tests: TRL's own tokenisation of a batch"),
+    PrivateMethod(_GRPO, "_tokenize_prompts", ("prompts",), "trainer: prompts processed once per group; clips"),
+    PrivateMethod(_GRPO, "_compute_loss", ("model", "inputs"), "trainer: a batch's clips reach the log-probs"),
     PrivateMethod("transformers:Trainer", "_load_from_checkpoint", ("resume_from_checkpoint", "model"),
                   "trainer: full weights resumed under the model's names (checkpoints.load_full_weights)"),
 )
@@ -113,6 +114,8 @@ TRAINER_ATTRIBUTES = (
     "_step",
     "shuffle_dataset",
     "num_iterations",
+    "chat_template",
+    "chat_template_kwargs",
 )  # fmt: skip
 FUSED_LM_HEAD_KEYWORDS = ("fused_lm_head", "shift_labels")
 

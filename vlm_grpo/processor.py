@@ -2,9 +2,9 @@
 
 The Qwen2/2.5/3-VL processors bundle a *video* processor whose base class imports torchvision, so
 `AutoProcessor.from_pretrained` fails where torchvision is missing (every CPU-only pip install of
-torch, for one). Image-only training never touches the video processor, so we build the same
-processor class without it: the tokenizer, the PIL image processor and the chat template are the
-checkpoint's own.
+torch, for one). There we build the same processor class with the PIL image processor and
+`vlm_grpo.video_processor.QwenVideoProcessorPil` in place of the torchvision video processor: the
+tokenizer, the chat template and every setting are the checkpoint's own.
 """
 
 from __future__ import annotations
@@ -25,22 +25,24 @@ QWEN_PROCESSORS = {t: f.processor_class for t, f in FAMILIES.items() if f.pixel_
 
 @functools.cache
 def _image_only_class(class_name: str, video_class_name: str) -> type:
-    """A subclass of a Qwen processor whose only sub-processors are the image processor and tokenizer.
+    """A subclass of a Qwen processor whose video processor is not one of its saved parts.
 
-    `ProcessorMixin` derives a processor's parts from its `__init__` signature, so dropping
-    `video_processor` from the signature is what makes the video part optional.
+    `ProcessorMixin` derives a processor's parts (checked for their class, saved, loaded) from its `__init__`
+    signature, so dropping `video_processor` from the signature lets it hold the PIL stand-in, which transformers'
+    checks would refuse, and save that one's settings itself.
     """
     import transformers
 
     base = getattr(transformers, class_name)
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        video_processor = kwargs.pop("video_processor", None)  # a keyword, not a parameter: see the docstring
         base.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
-        self.video_processor = None
+        self.video_processor = video_processor
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         out = base.save_pretrained(self, save_directory, *args, **kwargs)
-        _add_video_processor_config(save_directory, self.image_processor, video_class_name)
+        _add_video_processor_config(save_directory, self.image_processor, video_class_name, self.video_processor)
         return out
 
     # Saved as the real class name so plain transformers (with torchvision) loads the checkpoint as usual.
@@ -49,28 +51,16 @@ def _image_only_class(class_name: str, video_class_name: str) -> type:
     )
 
 
-_VIDEO_KEYS = (
-    "size",
-    "patch_size",
-    "temporal_patch_size",
-    "merge_size",
-    "image_mean",
-    "image_std",
-    "do_resize",
-    "do_rescale",
-    "rescale_factor",
-    "do_normalize",
-    "do_convert_rgb",
-    "resample",
-)
-
-
-def _add_video_processor_config(save_directory: str | os.PathLike, image_processor: Any, video_class_name: str) -> None:
-    """Write the video processor settings (the image processor's) next to a saved image-only processor.
+def _add_video_processor_config(
+    save_directory: str | os.PathLike, image_processor: Any, video_class_name: str, video_processor: Any = None
+) -> None:
+    """Write the video processor settings (the PIL stand-in's, else the image processor's) next to a saved processor.
 
     With torchvision installed, `AutoProcessor` builds the full Qwen processor and needs them; the Hub's
     checkpoints ship them, and ours must too so plain transformers loads what we save.
     """
+    from .video_processor import VIDEO_KEYS
+
     path = os.path.join(os.fspath(save_directory), "processor_config.json")
     if not os.path.exists(path):
         return
@@ -78,9 +68,12 @@ def _add_video_processor_config(save_directory: str | os.PathLike, image_process
         config = json.load(f)
     if "video_processor" in config:
         return
-    image = config.get("image_processor") or image_processor.to_dict()
-    video = {k: image[k] for k in _VIDEO_KEYS if k in image}
-    video["video_processor_type"] = video_class_name
+    if video_processor is not None:
+        video = video_processor.to_dict()
+    else:
+        image = config.get("image_processor") or image_processor.to_dict()
+        video = {k: image[k] for k in VIDEO_KEYS if k in image}
+        video["video_processor_type"] = video_class_name
     config["video_processor"] = video
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -89,14 +82,27 @@ def _add_video_processor_config(save_directory: str | os.PathLike, image_process
 
 
 def build_qwen_processor(
-    model_type: str, image_processor: Any, tokenizer: Any, chat_template: str | None = None
+    model_type: str,
+    image_processor: Any,
+    tokenizer: Any,
+    chat_template: str | None = None,
+    video_processor: Any = None,
 ) -> Any:
-    """Build a Qwen-VL processor from an image processor and a tokenizer, without a video processor."""
+    """Build a Qwen-VL processor from an image processor, a tokenizer and a PIL video processor
+    (`vlm_grpo.video_processor.QwenVideoProcessorPil`; None: built from the image processor's settings)."""
+    from .video_processor import VIDEO_KEYS, QwenVideoProcessorPil
+
     if model_type not in QWEN_PROCESSORS:
         raise ValueError(f"{model_type!r} is not a Qwen-VL model type ({', '.join(QWEN_PROCESSORS)}).")
     family = FAMILIES[model_type]
+    if video_processor is None:
+        settings = {k: getattr(image_processor, k, None) for k in VIDEO_KEYS if k != "size"}
+        video_processor = QwenVideoProcessorPil(family.video_processor, **settings)  # the family's own video budget
     cls = _image_only_class(family.processor_class, family.video_processor)
-    return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
+    return cls(
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template,
+        video_processor=video_processor,
+    )  # fmt: skip
 
 
 def _has_torchvision() -> bool:
@@ -110,10 +116,38 @@ def _has_torchvision() -> bool:
 def _load_qwen_image_only(path: str, model_type: str, **kwargs: Any):
     from transformers import AutoTokenizer
 
+    from .video_processor import QwenVideoProcessorPil
+
     tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
     image_processor = FAMILIES[model_type].pil_image_processor_class().from_pretrained(path, **kwargs)
     chat_template = _chat_template(path, tokenizer, **kwargs)
-    return build_qwen_processor(model_type, image_processor, tokenizer, chat_template)
+    video_config = _video_processor_config(path, **kwargs)
+    video_processor = (
+        QwenVideoProcessorPil.from_dict(video_config, FAMILIES[model_type].video_processor) if video_config else None
+    )
+    return build_qwen_processor(model_type, image_processor, tokenizer, chat_template, video_processor)
+
+
+def _video_processor_config(path: str, **kwargs: Any) -> dict | None:
+    """The checkpoint's video processor settings: `processor_config.json`'s "video_processor", else
+    `video_preprocessor_config.json`; None when it has neither."""
+    try:
+        config = _processor_config(path, **kwargs).get("video_processor")
+    except OSError:
+        config = None
+    if config:
+        return config
+    from transformers.utils import cached_file
+
+    try:
+        file = cached_file(path, "video_preprocessor_config.json", _raise_exceptions_for_missing_entries=False,
+                           **kwargs)  # fmt: skip
+    except OSError:
+        return None
+    if not file:
+        return None
+    with open(file, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def _chat_template(path: str, tokenizer: Any, **kwargs: Any) -> str | None:

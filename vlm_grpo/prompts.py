@@ -1,12 +1,15 @@
-"""Dataset rows -> chat prompts: the image columns, the `<image>` placeholder, templates and the system prompt.
+"""Dataset rows -> chat prompts: the image and video columns, the `<image>` / `<video>` placeholders, templates and the
+system prompt.
 
 Three paths turn rows into prompts: the trainer's row preparation (`vlm_grpo.rows`, any row a user hands
 `VLMGRPOTrainer`), loading a user's dataset (`vlm_grpo.data.load`) and the synthetic tasks (`vlm_grpo.task`). They
 used to keep their own copies of these rules, and the copies disagreed (which image column wins, whether text around a
 placeholder keeps its spaces, where the system prompt goes). The rules live here once:
-- a row's images are in `image` (one) or `images` (a list); a dataset with both is refused, as either could be meant;
-- `<image>` in a string prompt marks where each image goes (EasyR1 / geometry3k); the text around it is kept as
-  written (EasyR1's split); without a placeholder the images go before the text, as TRL places them;
+- a row's images are in `image` (one) or `images` (a list), its clips in `video` (one) or `videos` (a list); a dataset
+  with both columns of a kind is refused, as either could be meant;
+- `<image>` / `<video>` in a string prompt mark where each image / clip goes (EasyR1 / geometry3k); the text around
+  them is kept as written (EasyR1's split); without placeholders the images, then the clips, go before the text, as
+  TRL places images;
 - a template's `{prompt}` is replaced by the question;
 - a system prompt is a first `system` message, unless the prompt already has one, in the content style of the other
   messages (a string, or text blocks).
@@ -14,20 +17,46 @@ placeholder keeps its spaces, where the system prompt goes). The rules live here
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
 __all__ = [
     "IMAGE_COLUMNS",
     "IMAGE_PLACEHOLDER",
+    "VIDEO_COLUMNS",
+    "VIDEO_PLACEHOLDER",
     "apply_template",
+    "count_blocks",
+    "count_placeholders",
     "image_column",
+    "place_media",
     "user_content",
+    "video_column",
     "with_system",
 ]
 
 IMAGE_COLUMNS = ("image", "images")
 IMAGE_PLACEHOLDER = "<image>"
+VIDEO_COLUMNS = ("video", "videos")
+VIDEO_PLACEHOLDER = "<video>"
+_PLACEHOLDERS = {IMAGE_PLACEHOLDER: "image", VIDEO_PLACEHOLDER: "video"}
+_SPLIT = re.compile(f"({'|'.join(map(re.escape, _PLACEHOLDERS))})")
+
+
+def _a(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
+def _one_column(columns: Iterable[str], names: tuple[str, str], kind: str) -> str | None:
+    found = [c for c in names if c in set(columns)]
+    if len(found) > 1:
+        raise ValueError(
+            f"The rows have both {_a(names[0])} `{names[0]}` and {_a(names[1])} `{names[1]}` column, and either could "
+            f"be the one meant. Keep one (rename or remove the other): `{names[0]}` for one {kind} per row, "
+            f"`{names[1]}` for a list."
+        )
+    return found[0] if found else None
 
 
 def image_column(columns: Iterable[str]) -> str | None:
@@ -36,33 +65,93 @@ def image_column(columns: Iterable[str]) -> str | None:
     >>> image_column(["prompt", "images", "answer"])
     'images'
     """
-    found = [c for c in IMAGE_COLUMNS if c in set(columns)]
-    if len(found) > 1:
-        raise ValueError(
-            "The rows have both an `image` and an `images` column, and either could be the one meant. Keep one "
-            "(rename or remove the other)."
-        )
-    return found[0] if found else None
+    return _one_column(columns, IMAGE_COLUMNS, "image")
 
 
-def user_content(text: str, n_images: int = 0) -> str | list[dict[str, Any]]:
-    """A string prompt as a user message's content: image blocks at its `<image>` placeholders and text blocks
-    between them, or, without a placeholder, `n_images` image blocks before the text (the string itself when none).
+def video_column(columns: Iterable[str]) -> str | None:
+    """The column holding a row's clips (`video` or `videos`), None without one; both present is refused.
+
+    >>> video_column(["prompt", "video", "answer"])
+    'video'
+    """
+    return _one_column(columns, VIDEO_COLUMNS, "clip")
+
+
+def count_placeholders(text: str) -> tuple[int, int]:
+    """`(images, videos)`: how many `<image>` and `<video>` placeholders a string prompt has."""
+    return text.count(IMAGE_PLACEHOLDER), text.count(VIDEO_PLACEHOLDER)
+
+
+def user_content(text: str, n_images: int = 0, n_videos: int = 0) -> str | list[dict[str, Any]]:
+    """A string prompt as a user message's content: image / video blocks at its `<image>` / `<video>` placeholders
+    and text blocks between them, or, without placeholders, `n_images` image blocks then `n_videos` video blocks before
+    the text (the string itself when there are none).
 
     >>> user_content("Find x. <image> Answer in degrees.")
     [{'type': 'text', 'text': 'Find x. '}, {'type': 'image'}, {'type': 'text', 'text': ' Answer in degrees.'}]
+    >>> user_content("Which way does it move?", n_videos=1)
+    [{'type': 'video'}, {'type': 'text', 'text': 'Which way does it move?'}]
     """
-    if IMAGE_PLACEHOLDER not in text:
-        if not n_images:
+    if not _SPLIT.search(text):
+        if not n_images and not n_videos:
             return text
-        return [{"type": "image"}] * n_images + [{"type": "text", "text": text}]
+        return [{"type": "image"}] * n_images + [{"type": "video"}] * n_videos + [{"type": "text", "text": text}]
     content: list[dict[str, Any]] = []
-    for i, part in enumerate(text.split(IMAGE_PLACEHOLDER)):
-        if i:
-            content.append({"type": "image"})
-        if part:
+    for part in _SPLIT.split(text):
+        if part in _PLACEHOLDERS:
+            content.append({"type": _PLACEHOLDERS[part]})
+        elif part:
             content.append({"type": "text", "text": part})
     return content
+
+
+def count_blocks(messages: Any, kind: str) -> int:
+    """How many `{"type": kind}` content blocks (`"image"` or `"video"`) chat messages hold (0 for a string)."""
+    if not isinstance(messages, list):
+        return 0
+    return sum(
+        1
+        for message in messages
+        if isinstance(message, dict) and isinstance(message.get("content"), list)
+        for part in message["content"]
+        if isinstance(part, dict) and part.get("type") == kind
+    )
+
+
+def place_media(messages: list[dict[str, Any]], images: list[Any], clips: list[Any]) -> list[dict[str, Any]]:
+    """`messages` with their image and video blocks filled in order (`{"type": "image", "image": ...}`,
+    `{"type": "video", "video": ...}`). Messages whose contents are all strings get the images, then the clips,
+    before the first user message's text, as TRL places images. Refuses counts that differ from the blocks'.
+
+    >>> place_media([{"role": "user", "content": "Which way?"}], [], ["clip"])
+    [{'role': 'user', 'content': [{'type': 'video', 'video': 'clip'}, {'type': 'text', 'text': 'Which way?'}]}]
+    """
+    if all(isinstance(m.get("content"), str) for m in messages):
+        first = next((i for i, m in enumerate(messages) if m.get("role") == "user"), None)
+        if first is None and (images or clips):
+            raise ValueError("the prompt has no user message to put its images / clips in")
+        messages = [
+            {**m, "content": user_content(m["content"], len(images), len(clips))} if i == first else m
+            for i, m in enumerate(messages)
+        ]
+    for kind, media in (("image", images), ("video", clips)):
+        if count_blocks(messages, kind) != len(media):
+            raise ValueError(
+                f"the prompt has {count_blocks(messages, kind)} {kind} block(s) for {len(media)} {kind}(s)"
+            )
+    queues = {"image": iter(images), "video": iter(clips)}
+    filled = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [
+                {"type": part["type"], part["type"]: next(queues[part["type"]])}
+                if isinstance(part, dict) and part.get("type") in queues
+                else part
+                for part in content
+            ]
+        filled.append({**message, "content": content})
+    return filled
 
 
 def apply_template(text: str, template: str | None) -> str:

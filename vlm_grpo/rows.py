@@ -1,15 +1,20 @@
 """Dataset rows -> what TRL's GRPO loop expects, with bad input caught before training starts.
 
-`check_dataset` runs once, at trainer construction: structural problems (no rows, no image column
-for prompts that have image placeholders, images under another column name, a placeholder count
-that differs from the row's images, both `image` and `images` columns) raise a `ValueError` naming
-the row and the fix; missing, unreadable or truncated images drop their row, logged and counted, so a long
-run never dies on row 93 412 (`drop_unreadable_rows`: one policy for every bad image, refused beyond half the rows).
+`check_dataset` runs once, at trainer construction: structural problems (no rows, no image / video
+column for prompts that have image / video placeholders, images under another column name, a
+placeholder count that differs from the row's images or clips, both `image` and `images` columns)
+raise a `ValueError` naming the row and the fix; missing, unreadable or truncated images, and clips that
+cannot be read (a missing or corrupt file, no frames, frames of different sizes), drop their row,
+logged and counted, so a long run never dies on row 93 412 (`drop_unreadable_rows`: one policy for
+every bad image or clip, refused beyond half the rows).
 
 `prepare_row` runs per batch: images normalised (RGB, EXIF, alpha on white, 16-bit...), fitted to
 the pixel budget (`vlm_grpo.pixel_budget`) and always given as an `images` list; a plain-string
-prompt becomes a user message with the images at its `<image>` placeholders. `rows_for_rewards`
-undoes the last two for the reward functions, so they receive the dataset's own format.
+prompt becomes a user message with the images at its `<image>` placeholders. Rows of a dataset with
+a `video` / `videos` column get their clips sampled and sized by the video budget
+(`vlm_grpo.video_budget`) and every image and clip placed in the prompt's content blocks (TRL has
+no video path: the trainer processes these rows itself). `rows_for_rewards` undoes this for the
+reward functions, so they receive the dataset's own format.
 """
 
 from __future__ import annotations
@@ -23,10 +28,23 @@ from typing import TYPE_CHECKING, Any
 from PIL import Image
 
 from .images import ImageError, load_image, load_rgb_images
-from .prompts import IMAGE_COLUMNS, IMAGE_PLACEHOLDER, image_column, user_content
+from .prompts import (
+    IMAGE_COLUMNS,
+    IMAGE_PLACEHOLDER,
+    VIDEO_COLUMNS,
+    VIDEO_PLACEHOLDER,
+    count_blocks,
+    count_placeholders,
+    image_column,
+    place_media,
+    user_content,
+    video_column,
+)
+from .videos import VideoError, is_clip_value, probe_clip
 
 if TYPE_CHECKING:
     from .pixel_budget import PixelBudget
+    from .video_budget import VideoBudget
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
@@ -37,6 +55,7 @@ __all__ = [
     "dataset_row",
     "drop_unreadable_rows",
     "prepare_row",
+    "row_clips",
     "row_images",
     "rows_for_rewards",
     "source_image_sizes",
@@ -49,6 +68,7 @@ _IMAGE_LIKE_NAMES = (
     "img", "imgs", "picture", "pictures", "photo", "photos", "pixel_values", "image_path", "image_paths", "image_file",
     "image_files", "image_bytes",
 )  # fmt: skip
+_VIDEO_LIKE_NAMES = ("clip", "clips", "frames", "video_path", "video_paths", "video_file", "video_files", "movie")
 # prepare_row keeps the row's own prompt and image column name here, for `rows_for_rewards`.
 _SOURCE = "_vlm_grpo_source"
 
@@ -70,24 +90,39 @@ def _is_chat(prompt: Any) -> bool:
 
 def count_image_placeholders(prompt: Any) -> int:
     """Number of `{"type": "image"}` content blocks in a chat prompt (0 for plain strings)."""
+    return count_blocks(prompt, "image") if _is_chat(prompt) else 0
+
+
+def _blocks_media(row: dict[str, Any], kind: str) -> list[Any]:
+    prompt = row.get("prompt")
     if not _is_chat(prompt):
-        return 0
-    return sum(
-        1
-        for message in prompt
-        if isinstance(message.get("content"), list)
-        for part in message["content"]
-        if isinstance(part, dict) and part.get("type") == "image"
-    )
+        return []
+    return [part[kind] for m in prompt if isinstance(m.get("content"), list) for part in m["content"]
+            if isinstance(part, dict) and part.get("type") == kind and kind in part]  # fmt: skip
 
 
 def row_images(row: dict[str, Any]) -> list[Any]:
-    """A row's images as a list: its `images` list, its single `image`, or [] for a text-only row."""
+    """A row's images as a list: its `images` list, its single `image`, the images placed in its prompt (a
+    `prepare_row` result of a dataset with clips), or [] for a text-only row."""
     if "images" in row:
         value = row["images"]
         return [] if value is None else list(value)
-    value = row.get("image")
-    return [] if value is None else [value]
+    if "image" in row:
+        value = row["image"]
+        return [] if value is None else [value]
+    return _blocks_media(row, "image")
+
+
+def row_clips(row: dict[str, Any]) -> list[Any]:
+    """A row's clips as a list: its `videos` list, its single `video`, the clips placed in its prompt (a
+    `prepare_row` result), or []."""
+    column = video_column(row)
+    if column is None:
+        return _blocks_media(row, "video")
+    value = row[column]
+    if value is None:
+        return []
+    return list(value) if column == "videos" else [value]
 
 
 # Markers that show a chat template was already applied to a string prompt; images cannot be placed then.
@@ -95,39 +130,46 @@ def row_images(row: dict[str, Any]) -> list[Any]:
 _TEMPLATE_MARKERS = ("<|im_start|>", "<start_of_turn>", "<|start_header_id|>", "<|image_pad|>", "[INST]")
 
 
-def _check_prompt(prompt: Any, n_images: int, index: int, name: str) -> None:
+def _check_prompt(prompt: Any, n_images: int, index: int, name: str, n_videos: int = 0) -> None:
     if isinstance(prompt, str):
-        if n_images and any(marker in prompt for marker in _TEMPLATE_MARKERS):
+        if (n_images or n_videos) and any(marker in prompt for marker in _TEMPLATE_MARKERS):
             raise ValueError(
                 f"{name} row {index}: the prompt is a string with a chat template already applied, and the row has "
-                f"{n_images} image(s). Images need chat-message prompts: pass the raw messages, e.g. "
-                "[{'role': 'user', 'content': 'What colour is the shape?'}], and let the trainer apply the template."
+                f"{n_images} image(s) and {n_videos} clip(s). Images and clips need chat-message prompts: pass the "
+                "raw messages, e.g. [{'role': 'user', 'content': 'What colour is the shape?'}], and let the trainer "
+                "apply the template."
             )
-        placeholders = prompt.count(IMAGE_PLACEHOLDER)
-        if placeholders and placeholders != n_images:
-            raise ValueError(
-                f"{name} row {index}: the prompt has {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) but the row has "
-                f"{n_images} image(s). Make them match, or drop the placeholders to put the images before the text."
-            )
+        for placeholder, count, kind in zip((IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER), (n_images, n_videos),
+                                            ("image(s)", "clip(s)")):  # fmt: skip
+            placeholders = prompt.count(placeholder)
+            if placeholders and placeholders != count:
+                raise ValueError(
+                    f"{name} row {index}: the prompt has {placeholders} {placeholder} placeholder(s) but the row has "
+                    f"{count} {kind}. Make them match, or drop the placeholders to put them before the text."
+                )
         return
     if not _is_chat(prompt):
         raise ValueError(
             f"{name} row {index}: `prompt` must be a string or a list of chat messages "
             f"({{'role': ..., 'content': ...}}), got {type(prompt).__name__}."
         )
-    placeholders = count_image_placeholders(prompt)
     # String contents get the images put before the first user text (TRL); structured contents must place each.
     structured = any(isinstance(message.get("content"), list) for message in prompt)
-    if (structured or placeholders) and placeholders != n_images:
-        raise ValueError(
-            f"{name} row {index}: the prompt has {placeholders} image placeholder(s) ({{'type': 'image'}}) but the "
-            f"row has {n_images} image(s). Make them match, or give the messages plain-string contents and the "
-            "images are put before the first user message."
-        )
+    for kind, count, noun in (("image", n_images, "image(s)"), ("video", n_videos, "clip(s)")):
+        placeholders = count_blocks(prompt, kind)
+        if (structured or placeholders) and placeholders != count:
+            raise ValueError(
+                f"{name} row {index}: the prompt has {placeholders} {kind} placeholder(s) ({{'type': '{kind}'}}) but "
+                f"the row has {count} {noun}. Make them match, or give the messages plain-string contents and they "
+                "are put before the first user message."
+            )
 
 
-def _string_placeholders(prompt: Any) -> int:
-    return prompt.count(IMAGE_PLACEHOLDER) if isinstance(prompt, str) else 0
+def _placeholders(prompt: Any, kind: str) -> int:
+    """`kind` ("image" / "video") placeholders of a prompt: `<image>` / `<video>` in a string, blocks in messages."""
+    if isinstance(prompt, str):
+        return count_placeholders(prompt)[kind == "video"]
+    return count_blocks(prompt, kind) if _is_chat(prompt) else 0
 
 
 def _holds_images(value: Any) -> bool:
@@ -144,12 +186,23 @@ def _is_image_feature(feature: Any) -> bool:
     return isinstance(feature, ImageFeature) or isinstance(inner, ImageFeature)
 
 
+def _refuse_misnamed_video_column(columns: list[str], name: str) -> None:
+    """Raise when clips seem to sit under another column name: the trainer would silently train without them."""
+    for column in columns:
+        if column.lower() in _VIDEO_LIKE_NAMES:
+            raise ValueError(
+                f"{name} has no `video` or `videos` column, but column `{column}` looks like it holds clips, so the "
+                f"model would train without them. Rename it: `dataset = dataset.rename_column({column!r}, 'video')` "
+                "(`video` for one clip per row, `videos` for a list)."
+            )
+
+
 def _refuse_misnamed_image_column(dataset: Any, columns: list[str], name: str) -> None:
     """Raise when images sit under another column name: the trainer would silently train text-only."""
     features = getattr(dataset, "features", None) or {}
     first = dataset[0] if hasattr(dataset, "__len__") and len(dataset) and hasattr(dataset, "__getitem__") else {}
     for column in columns:
-        if column == "prompt":
+        if column == "prompt" or column in VIDEO_COLUMNS:  # a clip's frames are images too
             continue
         feature, value = features.get(column), first.get(column) if isinstance(first, dict) else None
         if column.lower() in _IMAGE_LIKE_NAMES or _is_image_feature(feature) or _holds_images(value):
@@ -166,16 +219,17 @@ def _refuse_misnamed_image_column(dataset: Any, columns: list[str], name: str) -
 def check_dataset(
     dataset: Any, name: str = "train_dataset", *, check_images: bool = True, skip_bad_rows: bool = True
 ) -> tuple[Any, SkippedRows]:
-    """Validate a dataset before training; return `(dataset, skipped)` with unreadable-image rows removed.
+    """Validate a dataset before training; return `(dataset, skipped)` with unreadable-image / clip rows removed.
 
     Args:
         dataset: a `datasets.Dataset` (checked row by row) or an `IterableDataset` (only its columns are checked:
             it cannot be scanned without consuming it).
         name: used in messages (`train_dataset`, `eval_dataset`).
-        check_images: decode every image once (catches truncated/corrupt files up front); False checks only that
-            image files exist.
-        skip_bad_rows: drop rows whose images are missing or cannot be read (logged, counted in `skipped`; more than
-            `MAX_BAD_FRACTION` of the rows is refused); False raises at the first instead.
+        check_images: decode every image once and open every clip (`vlm_grpo.videos.probe_clip`: a file's stream is
+            read, not decoded; frames' headers are read), so truncated or corrupt files surface up front; False
+            checks only that image and clip files exist.
+        skip_bad_rows: drop rows whose images or clips are missing or cannot be read (logged, counted in `skipped`;
+            more than `MAX_BAD_FRACTION` of the rows is refused); False raises at the first instead.
     """
     if dataset is None:
         return dataset, SkippedRows()
@@ -189,99 +243,124 @@ def check_dataset(
     column = image_column(columns)
     if column is None:
         _refuse_misnamed_image_column(dataset, columns, name)
+    clip_column = video_column(columns)
+    if clip_column is None:
+        _refuse_misnamed_video_column(columns, name)
     if not hasattr(dataset, "__len__"):
         return dataset, SkippedRows()
     if len(dataset) == 0:
         raise ValueError(f"{name} is empty: GRPO needs at least one prompt.")
 
-    # Placeholders against image counts, with the images undecoded: counting them needs no pixels.
-    raw = dataset if column is None else _undecoded(dataset, column)
-    for index, row in enumerate(raw.select_columns(["prompt"] + ([column] if column else []))):
-        if column is None and (count_image_placeholders(row["prompt"]) or _string_placeholders(row["prompt"])):
-            raise ValueError(
-                f"{name} row {index}: the prompt has image placeholders but the dataset has no `image` or `images` "
-                f"column (columns: {columns}). Add the images as an `image` (one) or `images` (list) column."
-            )
-        _check_prompt(row["prompt"], len(row_images(row)), index, name)
-    if column is None:
+    # Placeholders against image and clip counts, with the media undecoded: counting them needs no pixels.
+    raw = _undecoded(_undecoded(dataset, column), clip_column)
+    read_columns = ["prompt"] + [c for c in (column, clip_column) if c]
+    for index, row in enumerate(raw.select_columns(read_columns)):
+        images, clips = row_images(row) if column else [], row_clips(row) if clip_column else []
+        for kind, present, names in (("image", column, IMAGE_COLUMNS), ("video", clip_column, VIDEO_COLUMNS)):
+            if present is None and _placeholders(row["prompt"], kind):
+                raise ValueError(
+                    f"{name} row {index}: the prompt has {kind} placeholders but the dataset has no `{names[0]}` or "
+                    f"`{names[1]}` column (columns: {columns}). Add them as a `{names[0]}` (one) or `{names[1]}` "
+                    "(list) column."
+                )
+        _check_prompt(row["prompt"], len(images), index, name, len(clips))
+    if column is None and clip_column is None:
         return dataset, SkippedRows()
-    return drop_unreadable_rows(dataset, column, name, decode=check_images, skip_bad_rows=skip_bad_rows)
+    return drop_unreadable_rows(
+        dataset, column, name, clip_column=clip_column, decode=check_images, skip_bad_rows=skip_bad_rows
+    )
 
 
-#: Rows with missing or unreadable images are skipped up to this fraction of a dataset; beyond it the data looks wrong
-#: as a whole (a wrong image root, a broken download), and training on the rest would quietly teach something else.
+#: Rows with missing or unreadable images or clips are skipped up to this fraction of a dataset; beyond it the data
+#: looks wrong as a whole (a wrong media root, a broken download), and training on the rest would quietly teach
+#: something else.
 MAX_BAD_FRACTION = 0.5
 
 
 def drop_unreadable_rows(
     dataset: Any,
-    column: str,
+    column: str | None,
     name: str,
     *,
+    clip_column: str | None = None,
     decode: bool = True,
     skip_bad_rows: bool = True,
     row_names: Sequence[str] | None = None,
     stop_hint: str = "skip_bad_rows=False",
 ) -> tuple[Any, SkippedRows]:
-    """`(dataset, skipped)`: the rows whose images in `column` are missing or cannot be decoded dropped, logged and
-    counted. One policy for both: skipped while they are at most `MAX_BAD_FRACTION` of the rows, refused beyond.
+    """`(dataset, skipped)`: the rows whose images in `column` or clips in `clip_column` are missing or cannot be
+    read dropped, logged and counted. One policy for all: skipped while they are at most `MAX_BAD_FRACTION` of the
+    rows, refused beyond.
 
     Args:
-        dataset: a `datasets.Dataset` whose `column` holds one image or a list per row.
+        dataset: a `datasets.Dataset` whose `column` holds one image or a list per row (None: no images), and
+            `clip_column` one clip or a list (None: no clips).
         name: the dataset in messages (`train_dataset`, `train.jsonl`).
-        decode: decode every image (catches corrupt files); False checks only that image files exist.
+        decode: decode every image and probe every clip (catches corrupt files); False checks only that files exist.
         skip_bad_rows: False raises at the first bad row instead of skipping it.
         row_names: what messages call each row (e.g. `line 7` of a JSON Lines file); default `row <index>`.
         stop_hint: how the user turns skipping off, named in the skip message (`--no_skip_bad_rows` from the CLI).
 
     Raises:
-        ImageError: a bad row with `skip_bad_rows=False`; more than `MAX_BAD_FRACTION` of the rows bad.
+        ImageError / VideoError: a bad row with `skip_bad_rows=False`; more than `MAX_BAD_FRACTION` of the rows bad.
     """
     skipped = SkippedRows()
-    for index, row in enumerate(_undecoded(dataset, column).select_columns([column])):
+    raw = _undecoded(_undecoded(dataset, column), clip_column)
+    for index, row in enumerate(raw.select_columns([c for c in (column, clip_column) if c])):
         where = row_names[index] if row_names is not None else f"row {index}"
-        for position, image in enumerate(row_images(row)):
-            if image is None:
-                raise ValueError(f"{name} {where}: image {position} is None; drop it from the row's `images` list.")
-            problem = _image_problem(image, decode)
+        media = [("image", m, _image_problem, ImageError) for m in (row_images(row) if column else [])]
+        media += [("clip", m, _clip_problem, VideoError) for m in (row_clips(row) if clip_column else [])]
+        positions = {"image": 0, "clip": 0}
+        for kind, value, problem_of, error_type in media:
+            position = positions[kind]
+            positions[kind] += 1
+            if value is None:
+                plural = "images" if kind == "image" else "videos"
+                raise ValueError(f"{name} {where}: {kind} {position} is None; drop it from the row's `{plural}` list.")
+            problem = problem_of(value, decode)
             if problem is None:
                 continue
             if not skip_bad_rows:
-                raise ImageError(f"{name} {where}, image {position}: {problem}")
+                raise error_type(f"{name} {where}, {kind} {position}: {problem}")
             skipped.indices.append(index)
-            skipped.reasons.append(f"{where}, image {position}: {problem}")
+            skipped.reasons.append(f"{where}, {kind} {position}: {problem}")
             break
     if not skipped:
         return dataset, skipped
     total = len(dataset)
+    kinds = "images or clips" if clip_column else "images"
     if len(skipped) > MAX_BAD_FRACTION * total:
-        raise ImageError(
-            f"{name}: {len(skipped)} of {total} rows have missing or unreadable images, more than "
-            f"{MAX_BAD_FRACTION:.0%}, so the data looks wrong as a whole (check the image paths and files); nothing "
+        error_type = VideoError if column is None else ImageError
+        raise error_type(
+            f"{name}: {len(skipped)} of {total} rows have missing or unreadable {kinds}, more than "
+            f"{MAX_BAD_FRACTION:.0%}, so the data looks wrong as a whole (check the paths and files); nothing "
             f"is trained on. First: {skipped.reasons[0]}"
         )
     logger.warning(
-        "%s: skipped %d of %d rows with missing or unreadable images (%s to stop instead; more than %.0f%% bad is "
+        "%s: skipped %d of %d rows with missing or unreadable %s (%s to stop instead; more than %.0f%% bad is "
         "refused). %s",
-        name, len(skipped), total, stop_hint, 100 * MAX_BAD_FRACTION, "; ".join(skipped.reasons[:3]),
+        name, len(skipped), total, kinds, stop_hint, 100 * MAX_BAD_FRACTION, "; ".join(skipped.reasons[:3]),
     )  # fmt: skip
     return dataset.select(sorted(set(range(total)) - set(skipped.indices))), skipped
 
 
-def _undecoded(dataset: Any, column: str) -> Any:
-    """`dataset` with `column` read as undecoded images (`{"bytes", "path"}`), so a corrupt or missing file is our
-    error to report, not a crash inside datasets."""
-    from datasets import Image as ImageFeature
-    from datasets import List
-    from datasets import Sequence as SequenceFeature
+def _undecoded(dataset: Any, column: str | None) -> Any:
+    """`dataset` with `column`'s `datasets.Image` / `datasets.Video` feature cast to `decode=False` (`{"bytes",
+    "path"}`), so a corrupt or missing file is our error to report, not a crash inside datasets."""
+    if column is None:
+        return dataset
+    import datasets
+    from datasets import Sequence
 
+    kinds = tuple(k for k in (getattr(datasets, "Image", None), getattr(datasets, "Video", None)) if k is not None)
+    lists = tuple(k for k in (Sequence, getattr(datasets, "List", None)) if k is not None)
     feature = dataset.features.get(column)
-    if isinstance(feature, ImageFeature):
-        return dataset.cast_column(column, ImageFeature(decode=False))
-    if isinstance(feature, (List, SequenceFeature)) and isinstance(feature.feature, ImageFeature):
-        return dataset.cast_column(column, List(ImageFeature(decode=False)))
-    if isinstance(feature, list) and feature and isinstance(feature[0], ImageFeature):
-        return dataset.cast_column(column, [ImageFeature(decode=False)])
+    if isinstance(feature, kinds):
+        return dataset.cast_column(column, type(feature)(decode=False))
+    if isinstance(feature, lists) and isinstance(feature.feature, kinds):
+        return dataset.cast_column(column, type(feature)(type(feature.feature)(decode=False)))
+    if isinstance(feature, list) and feature and isinstance(feature[0], kinds):
+        return dataset.cast_column(column, [type(feature[0])(decode=False)])
     return dataset
 
 
@@ -299,30 +378,77 @@ def _image_problem(image: Any, decode: bool) -> str | None:
     return None
 
 
-def prepare_row(row: dict[str, Any], budget: PixelBudget | None = None) -> dict[str, Any]:
-    """A copy of a dataset row ready for TRL's multimodal path.
+def _clip_problem(clip: Any, decode: bool) -> str | None:
+    """Why `clip` cannot be used, or None. Without `decode`, a clip given as a path is only checked to exist."""
+    if not is_clip_value(clip):
+        return f"{type(clip).__name__!r} is not a clip (a list of frames, a folder, a video file)"
+    if not decode:
+        path = clip.get("path") if isinstance(clip, dict) and clip.get("bytes") is None else clip
+        if not isinstance(path, (str, os.PathLike)) or os.path.exists(path):
+            return None
+    try:
+        probe_clip(clip)
+    except VideoError as error:
+        return str(error)
+    return None
+
+
+def prepare_row(
+    row: dict[str, Any],
+    budget: PixelBudget | None = None,
+    video_budget: VideoBudget | None = None,
+    clip_memo: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A copy of a dataset row ready for TRL's multimodal path (images) or the trainer's own (clips).
 
     Rows of a dataset with an `image` or `images` column get their images loaded, normalised, fitted with `budget`
     (`PixelBudget.fit`; None leaves their size alone) and put under `images` as a list (`[]` for a text-only row: TRL
     turns a missing single image into None, which breaks the processor). A string prompt becomes a user message (TRL
     places images only in chat prompts) with the images at its `<image>` placeholders, or before the text when it has
-    none. The row's own prompt, image column and image sizes are kept for `rows_for_rewards` and
-    `source_image_sizes`. Rows without an image column are returned unchanged.
+    none. Rows of a dataset with a `video` or `videos` column get their clips sampled and sized by `video_budget`
+    (`VideoBudget.load`; None: the default budget, no resizing) and every image and clip placed in the prompt's
+    content blocks, with no `images` column: TRL would process the images without the clips. The row's own prompt,
+    image and video columns and image sizes are kept for `rows_for_rewards` and `source_image_sizes`. Rows without an
+    image or video column are returned unchanged. `clip_memo` (a dict the caller keeps for one batch) loads a clip
+    given by path once for all the rows that name it: TRL repeats every row for each of its generations.
     """
-    column = image_column(row)
-    if column is None:
+    column, clip_column = image_column(row), video_column(row)
+    if column is None and clip_column is None:
         return dict(row)
-    value = row[column]
+    value = row.get(column) if column else None
     if column == "image":
         value = None if value is None else [value]
     images = load_rgb_images(value)
+    fitted = [budget.fit(image) for image in images] if budget is not None else images
+    source = {"prompt": row.get("prompt"), "image_column": column, "image_sizes": [im.size for im in images]}
     row = {k: v for k, v in row.items() if k not in IMAGE_COLUMNS}
-    row["images"] = [budget.fit(image) for image in images] if budget is not None else images
-    row[_SOURCE] = {"prompt": row.get("prompt"), "image_column": column, "image_sizes": [im.size for im in images]}
-    if isinstance(row.get("prompt"), str):
-        # Done for every row of a dataset with an image column (text-only rows too) so a batch never mixes strings
-        # and chats.
-        row["prompt"] = [{"role": "user", "content": user_content(row["prompt"])}]
+    if clip_column is None:
+        row["images"] = fitted
+        row[_SOURCE] = source
+        if isinstance(row.get("prompt"), str):
+            # Done for every row of a dataset with an image column (text-only rows too) so a batch never mixes
+            # strings and chats.
+            row["prompt"] = [{"role": "user", "content": user_content(row["prompt"])}]
+        return row
+    if video_budget is None:
+        from .video_budget import VideoBudget
+
+        video_budget = VideoBudget()
+    clips = []
+    for value in row_clips(row):
+        key = os.fspath(value) if isinstance(value, str | os.PathLike) and clip_memo is not None else None
+        if key is None:
+            clips.append(video_budget.load(value))
+        else:
+            if key not in clip_memo:
+                clip_memo[key] = video_budget.load(value)
+            clips.append(clip_memo[key])
+    source.update(video_column=clip_column, videos=row[clip_column])
+    row = {k: v for k, v in row.items() if k not in VIDEO_COLUMNS}
+    prompt = row.get("prompt")
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+    row["prompt"] = place_media(messages, fitted, clips)
+    row[_SOURCE] = source
     return row
 
 
@@ -355,13 +481,19 @@ def rows_for_rewards(
 
 
 def dataset_row(row: dict[str, Any]) -> dict[str, Any]:
-    """A `prepare_row` result with the dataset's own prompt and image column back (and nothing internal)."""
+    """A `prepare_row` result with the dataset's own prompt, image and video columns back (and nothing internal):
+    images as loaded, clips as the dataset gave them."""
     source = row.get(_SOURCE)
     if source is None:
         return row
     row = {k: v for k, v in row.items() if k != _SOURCE}
+    images = row_images(row)
+    row.pop("images", None)
     row["prompt"] = source["prompt"]
     if source["image_column"] == "image":
-        images = row.pop("images")
         row["image"] = images[0] if images else None
+    elif source["image_column"] == "images" or "video_column" not in source:
+        row["images"] = images
+    if "video_column" in source:
+        row[source["video_column"]] = source["videos"]
     return row

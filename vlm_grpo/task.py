@@ -134,6 +134,8 @@ SYNTHETIC_REWARDS: dict[str, Callable[[int], RewardFunc]] = {
     "arithmetic": _choice("arithmetic"),
     "locate": lambda difficulty: iou,  # a box: its IoU with the gold box, in the image's pixels
     "position": _choice("position"),
+    "motion": _choice("motion"),  # video tasks: which way the shape moves, what colour it ends up
+    "color_change": _choice("color_change"),
 }
 
 
@@ -150,8 +152,8 @@ def synthetic_task(
     reward_funcs: Sequence[RewardFunc] | None = None,
     accuracy: RewardFunc | None = None,
 ) -> Task:
-    """A procedural task of `vlm_grpo.data` (`color`, `count`, `spatial`, `arithmetic`, `locate`, `position`) with
-    its own reward (`SYNTHETIC_REWARDS`) as training reward and accuracy.
+    """A procedural task of `vlm_grpo.data` (`color`, `count`, `spatial`, `arithmetic`, `locate`, `position`, and the
+    video tasks `motion` and `color_change`) with its own reward (`SYNTHETIC_REWARDS`) as training reward and accuracy.
 
     Args:
         name, difficulty, image_size, seed: as `make_visual_reasoning_dataset`; train and test images are disjoint.
@@ -214,7 +216,7 @@ def dataset_task(
     **load_kwargs: Any,
 ) -> Task:
     """Your own data (`vlm_grpo.data.load.load_grpo_dataset`: a Hub id, a `save_to_disk` directory, a JSONL / CSV /
-    Parquet file or an image folder) with your rewards.
+    Parquet file, an image folder or a video folder) with your rewards.
 
     Args:
         source, split: what to load and the split to train on.
@@ -225,7 +227,7 @@ def dataset_task(
         test_size: held-out rows when no `eval_split` is given: a fraction (< 1) or a count; 0: none.
         seed: the held-out rows' shuffle.
         load_kwargs: the rest of `load_grpo_dataset`'s options: `name` (Hub configuration), `eval_split`,
-            `prompt_column`, `image_column`, `answer_column`, `system_prompt`, `prompt_template`.
+            `prompt_column`, `image_column`, `video_column`, `answer_column`, `system_prompt`, `prompt_template`.
 
     Raises:
         DatasetError: rows that cannot be used as given, or that lack a reward's answer columns (the message names

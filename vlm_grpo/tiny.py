@@ -91,6 +91,7 @@ _QWEN_TEMPLATE = (
     "{% else %}{% for content in message['content'] %}"
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
     "{% endfor %}<|im_end|>\n{% endif %}"
     "{% endfor %}"
@@ -240,17 +241,26 @@ def _qwen_config(name: str, tok, vocab_size: int):
 def _qwen_processor(name: str, tok, image_size: int):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    from .families import FAMILIES
+    from .video_processor import QwenVideoProcessorPil
+
     patch = 16 if name == "qwen3_vl" else 14
     # The image budget is part of the processor, as on the Hub; tiny models see at most a 4x4 grid of merged patches.
     unit = patch * 2
+    common = dict(patch_size=patch, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
     image_processor = Qwen2VLImageProcessorPil(
-        patch_size=patch, merge_size=2, temporal_patch_size=2,
-        size={"shortest_edge": unit * unit, "longest_edge": (4 * unit) ** 2},
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+        size={"shortest_edge": unit * unit, "longest_edge": (4 * unit) ** 2}, **common
+    )
+    # Video: at most a 2x2 grid of merged patches per frame (4 tokens per temporal step); Qwen3-VL's budget covers the
+    # whole clip (frames x area), here 16 frames' worth.
+    frames = 16 if FAMILIES[name].video_budget == "clip" else 1
+    video_processor = QwenVideoProcessorPil(
+        FAMILIES[name].video_processor,
+        size={"shortest_edge": unit * unit * min(frames, 2), "longest_edge": frames * (2 * unit) ** 2}, **common,
     )  # fmt: skip
-    from .processor import build_qwen_processor  # one place knows how to do without the video processor
+    from .processor import build_qwen_processor  # one place knows how to do without torchvision's video processor
 
-    return build_qwen_processor(name, image_processor, tok)
+    return build_qwen_processor(name, image_processor, tok, video_processor=video_processor)
 
 
 def _gemma3_parts(tok, vocab_size: int, image_size: int):

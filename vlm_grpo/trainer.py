@@ -13,11 +13,15 @@ overrides only these hooks:
   prompt stream (from the checkpoint when resuming).
 - `_generate_and_score_completions`: images loaded from any format, normalised, fitted to the pixel
   budget (`vlm_grpo.pixel_budget`) and given as `images` lists; plain-string prompts with images turned
-  into chat messages. With `dynamic_sampling`, a training batch is built by `vlm_grpo.dynamic_sampling` from rounds
-  of these calls, keeping the groups whose rewards differ.
-- `_tokenize_prompts`: each distinct prompt tokenised and its images processed once, the outputs repeated for its
-  group (TRL processes every repeated row).
-- `_generate`: text-only rows in a batch with images get `[]` images (TRL's None breaks the processor).
+  into chat messages. Rows with clips: sampled and sized by the video budget (`vlm_grpo.video_budget`),
+  placed with the images in the prompts, and their vision inputs returned with the batch (TRL has no video
+  path, so the trainer processes these batches itself: `vlm_grpo.processing`). With `dynamic_sampling`, a training
+  batch is built by `vlm_grpo.dynamic_sampling` from rounds of these calls, keeping the groups whose rewards differ.
+- `_tokenize_prompts`: each distinct prompt tokenised and its images (and clips) processed once, the outputs repeated
+  for its group (TRL processes every repeated row).
+- `_generate`: text-only rows in a batch with images get `[]` images (TRL's None breaks the processor); a batch with
+  clips hands TRL no images (its forward would process them without the clips).
+- `_compute_loss`: the batch's clips (and images) reach the log-prob computation beside TRL's inputs.
 - `_calculate_rewards`: rows whose prompt was a string reach the rewards as strings again; the rewards (of every
   process) are kept for dynamic sampling's filter.
 - `_generate_single_turn`: the model switched to inference mode for generation and back after; completions
@@ -29,7 +33,8 @@ overrides only these hooks:
 - `_load_from_checkpoint` (transformers'): full weights resumed under the model's own names
   (`vlm_grpo.checkpoints.load_full_weights`); transformers loads the Hub names they are saved under as they are.
 - `_get_per_token_logps_and_entropies`: each group's prompt and images computed once (`vlm_grpo.engine.shared_prefix`),
-  same log-probs and gradients; TRL's per-row forward for what it cannot serve (a one-time log line naming why).
+  same log-probs and gradients; TRL's per-row forward for what it cannot serve (a one-time log line naming why), with
+  a batch's clips passed to the model beside TRL's inputs.
 Everything else (losses, GSPO, vLLM, logging, checkpointing) is TRL's own. The private TRL names touched here are
 listed, with the signatures they were tested with, in `vlm_grpo.private_api`.
 """
@@ -55,7 +60,7 @@ from .compat import (
 )
 from .config import VLMGRPOConfig
 from .dynamic_sampling import DynamicSampler, DynamicSamplingState
-from .engine.batch_layout import distinct_prompts, select_rows
+from .engine.batch_layout import VIDEO_KEYS, distinct_prompts, select_rows
 from .engine.fast_generation import FastGenerator, FastPathUnavailable
 from .engine.sharded import full_weights
 from .engine.sharded import unsupported_reason as sharded_unsupported_reason
@@ -68,13 +73,22 @@ from .integrations.unsloth import maybe_patch_for_model
 from .model import FastBaseVisionModel
 from .modes import checkpointing_mode, generating, set_checkpointing
 from .pixel_budget import apply_pixel_budget
+from .processing import check_video_support, holds_clips, process_prompts, prompt_media
 from .processor import load_processor
+from .prompts import video_column
 from .reward_checks import checked_reward_func
 from .rows import check_dataset, prepare_row, rows_for_rewards
+from .video_budget import apply_video_budget
 
 __all__ = ["VLMGRPOConfig", "VLMGRPOTrainer"]
 
 logger = logging.getLogger(__name__)
+
+# The key under which a batch with clips carries each row's vision inputs (a list, one dict per row, so TRL's shuffle
+# and split of a generation batch keep them with their rows).
+VISION_ROWS = "vlm_grpo_vision_rows"
+# The vision inputs of a row: its images' and its clips' processor outputs, and how many of each.
+_ROW_VISION_KEYS = ("pixel_values", "image_grid_thw", *VIDEO_KEYS)
 
 
 def _check_trl_device_support(device: torch.device) -> None:
@@ -147,6 +161,42 @@ def _describe_checkpointing(mode: bool | str) -> str:
     return {False: "it off", "reentrant": "it on (reentrant)", True: "it on (non-reentrant)"}[mode]
 
 
+def _refuse_clip_settings(args: Any, kwargs: dict[str, Any]) -> None:
+    """Refuse settings whose code paths would drop a batch's clips (TRL's own paths know only images)."""
+    blockers = {
+        "use_vllm=True: vLLM generation": getattr(args, "use_vllm", False),
+        "use_liger_kernel=True: Liger's GRPO loss": getattr(args, "use_liger_kernel", False),
+        "tool-calling rollouts (tools / environment_factory)": kwargs.get("tools") or kwargs.get("environment_factory"),
+        "a custom rollout_func": kwargs.get("rollout_func"),
+    }
+    found = [name for name, on in blockers.items() if on]
+    if found:
+        raise ValueError(
+            f"The rows have clips, but {found[0]} takes images only and would train without them. Turn it off for "
+            "video training (the in-process fast generation and shared-prefix paths serve clips)."
+        )
+
+
+def _suppress_token(trainer: Any, token_id: int | None) -> None:
+    """Add `token_id` to the tokens generation never samples (TRL's generation config and kwargs)."""
+    if token_id is None:
+        return
+    suppressed = list(trainer.generation_kwargs.get("suppress_tokens") or [])
+    if token_id not in suppressed:
+        trainer.generation_kwargs["suppress_tokens"] = [*suppressed, token_id]
+        trainer.generation_config.suppress_tokens = [*suppressed, token_id]
+
+
+class _WithInputs:
+    """`model` called with extra keyword inputs: a batch's clips, which TRL's per-row forward does not pass."""
+
+    def __init__(self, model: Any, inputs: dict[str, Any]) -> None:
+        self.model, self.inputs = model, inputs
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs, **self.inputs)
+
+
 def _refuse_frozen_model(model: Any) -> None:
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(
@@ -202,6 +252,16 @@ class VLMGRPOTrainer(GRPOTrainer):
         self.pixel_budget = apply_pixel_budget(
             processing_class, getattr(args, "min_pixels", None), getattr(args, "max_pixels", None)
         )
+        self.video_budget = apply_video_budget(
+            processing_class, fps=getattr(args, "video_fps", None), max_frames=getattr(args, "video_max_frames", None),
+            num_frames=getattr(args, "video_num_frames", None), min_pixels=getattr(args, "video_min_pixels", None),
+            max_pixels=getattr(args, "video_max_pixels", None),
+        )  # fmt: skip
+        datasets = [train_dataset, *(eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset])]
+        with_clips = any(video_column(getattr(d, "column_names", None) or []) for d in datasets if d is not None)
+        if with_clips:
+            check_video_support(processing_class, model if not isinstance(model, str) else None)
+            _refuse_clip_settings(args, kwargs)
 
         check_images = getattr(args, "check_images", True)
         skip_bad_rows = getattr(args, "skip_bad_rows", True)
@@ -243,6 +303,8 @@ class VLMGRPOTrainer(GRPOTrainer):
                 **kwargs,
             )
         unwrapped = self.accelerator.unwrap_model(self.model)
+        if with_clips:  # as TRL suppresses the image token: a sampled video token would have no features behind it
+            _suppress_token(self, getattr(unwrapped.config, "video_token_id", None))
         _apply_configured_checkpointing(unwrapped, args)
         if fresh_adapter and "ref" in getattr(unwrapped, "peft_config", {}):
             unwrapped.delete_adapter("ref")
@@ -265,6 +327,9 @@ class VLMGRPOTrainer(GRPOTrainer):
         self.dynamic_sampler = DynamicSampler(self) if getattr(args, "dynamic_sampling", False) else None
         if self.dynamic_sampler is not None:
             self.add_callback(DynamicSamplingState())  # carries its position into checkpoints
+        # Each row's vision inputs while a batch with clips is generated and scored (`_tokenize_prompts`) or trained
+        # on (`_compute_loss`); None otherwise. `_get_per_token_logps_and_entropies` passes them to the model.
+        self._vision_rows: list[dict[str, Any]] | None = None
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`, after checking this TRL can compute GRPO log-probs on this device.
@@ -314,12 +379,32 @@ class VLMGRPOTrainer(GRPOTrainer):
 
     def _score_rollouts(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's generation and scoring of dataset rows `inputs` (each prompt repeated for its group)."""
-        inputs = [prepare_row(row, self.pixel_budget) for row in inputs]
+        memo: dict[str, Any] = {}  # a clip file named by several rows (each of TRL's repeats) is decoded once
+        inputs = [prepare_row(row, self.pixel_budget, self.video_budget, memo) for row in inputs]
         inputs = add_image_sizes(inputs, self.processing_class)  # grounding rewards map boxes back
-        with quiet_third_party_checkpointing_deprecations():  # TRL's step reads transformers' old checkpointing name
-            return super()._generate_and_score_completions(inputs)
+        self._vision_rows = None  # set by `_tokenize_prompts` for a batch with clips
+        try:
+            with (
+                quiet_third_party_checkpointing_deprecations()
+            ):  # TRL's step reads transformers' old checkpointing name
+                output = super()._generate_and_score_completions(inputs)
+            if self._vision_rows is not None:
+                output[VISION_ROWS] = self._vision_rows
+            return output
+        finally:
+            self._vision_rows = None
+
+    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Any:
+        # TRL passes the model only the inputs it knows by name; a batch's clips travel under VISION_ROWS.
+        self._vision_rows = inputs.get(VISION_ROWS)
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._vision_rows = None
 
     def _tokenize_prompts(self, prompts: list):
+        if holds_clips(prompts):
+            return self._tokenize_prompts_with_clips(prompts)
         # TRL repeats every prompt num_generations times; the processor (tokenizer and image processor, on the CPU)
         # runs once per distinct prompt and its outputs are repeated (`engine.batch_layout`): the same ids and tensors.
         distinct = distinct_prompts(prompts) if self.environment_factories is None else None
@@ -332,6 +417,31 @@ class VLMGRPOTrainer(GRPOTrainer):
         images = [images[i] for i in inverse] if images is not None else None
         return [prompt_ids[i] for i in inverse], images, fields
 
+    def _tokenize_prompts_with_clips(self, prompts: list):
+        """`_tokenize_prompts` for a batch with clips (`vlm_grpo.processing`: TRL's would drop them). Returns each
+        row's images and clips in the images slot (TRL reads it only for vLLM and tools, refused with clips), and
+        keeps each row's vision inputs for the forward passes (`_vision_rows`)."""
+        if self.tools or self.environment_factories is not None:
+            raise ValueError("Clips in tool-calling rollouts are not supported: the tool loop re-enters TRL's image-only "
+                             "processing.")  # fmt: skip
+        unique, inverse = distinct_prompts(prompts) or (list(range(len(prompts))), list(range(len(prompts))))
+        processed = process_prompts(
+            self.processing_class, [prompts[row] for row in unique], chat_template=self.chat_template,
+            template_kwargs=self.chat_template_kwargs,
+        )  # fmt: skip
+        ids = processed.pop("input_ids")
+        processed.pop("attention_mask", None)
+        num_images, num_videos = processed.pop("num_images"), processed.pop("num_videos")
+        fields = select_rows(processed, num_images, inverse, num_videos)
+        distinct_rows = []
+        for position in range(len(unique)):
+            row = select_rows(processed, num_images, [position], num_videos)
+            row = {k: v for k, v in row.items() if k in _ROW_VISION_KEYS}
+            distinct_rows.append({**row, "num_images": num_images[position], "num_videos": num_videos[position]})
+        self._vision_rows = [distinct_rows[position] for position in inverse]
+        media = [prompt_media(prompt) for prompt in prompts]
+        return [ids[position] for position in inverse], [images + clips for images, clips in media], fields
+
     def _generate(self, prompts: list):
         # TRL marks a text-only row's images None even in a batch whose other rows have images (vLLM wants that), and
         # the processor then fails on the None. An empty list is what processors expect for "no image in this row".
@@ -339,7 +449,9 @@ class VLMGRPOTrainer(GRPOTrainer):
         prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images = (
             super()._generate(prompts)
         )
-        if images is not None and any(images):
+        if self._vision_rows is not None:
+            images = None  # TRL would process the images without the clips; the rows carry both (`_vision_rows`)
+        elif images is not None and any(images):
             images = [[] if i is None else i for i in images]
         return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images
 
@@ -413,6 +525,11 @@ class VLMGRPOTrainer(GRPOTrainer):
         compute_aux_loss=False, **model_inputs,
     ):  # fmt: skip
         # Each group's prompt and images computed once (vlm_grpo.engine.shared_prefix), else TRL's per-row forward.
+        rows = self._vision_rows
+        if rows is not None:  # a batch with clips: its vision inputs (images too) come from the rows, not from TRL
+            if len(rows) != input_ids.size(0):
+                raise RuntimeError(f"{len(rows)} rows of vision inputs for a batch of {input_ids.size(0)} rows")
+            model_inputs = {**model_inputs, **self._vision_inputs(rows, input_ids, logits_to_keep)}
         if getattr(self.args, "shared_prefix", False):
             try:
                 with self.accelerator.autocast():
@@ -428,7 +545,56 @@ class VLMGRPOTrainer(GRPOTrainer):
                 if str(error) not in fallbacks:
                     logger.warning("Shared-prefix scoring off for this call, using TRL's per-row forward: %s", error)
                 fallbacks[str(error)] = fallbacks.get(str(error), 0) + 1
+        if rows is not None:
+            return self._per_row_logps_with_clips(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss
+            )
         return super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, compute_entropy=compute_entropy,
             compute_aux_loss=compute_aux_loss, **model_inputs,
         )  # fmt: skip
+
+    def _vision_inputs(self, rows: list[dict[str, Any]], input_ids: torch.Tensor, logits_to_keep: int) -> dict:
+        """The model's vision inputs for `rows` of a batch with clips: their tensors concatenated, image / clip counts,
+        and `mm_token_type_ids` (1 image, 2 video tokens) over the prompt columns, 0 over the completion's, as TRL
+        extends the processor's."""
+        device = input_ids.device
+        out: dict[str, Any] = {
+            "num_images": [r["num_images"] for r in rows],
+            "num_videos": [r["num_videos"] for r in rows],
+        }
+        for key in _ROW_VISION_KEYS:
+            parts = [r[key] for r in rows if key in r]
+            if parts:
+                out[key] = torch.cat(parts).to(device)
+        types = torch.zeros_like(input_ids)
+        prompt = input_ids[:, : input_ids.size(1) - logits_to_keep]
+        types[:, : prompt.size(1)] = torch.where(prompt == self.processing_class.image_token_id, 1, 0) + torch.where(
+            prompt == self.processing_class.video_token_id, 2, 0
+        )
+        out["mm_token_type_ids"] = types
+        return out
+
+    def _per_row_logps_with_clips(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss
+    ):
+        """TRL's per-row forward for a batch with clips: TRL's own method on each `batch_size` rows, its image inputs
+        passed by name and its clips handed to the model beside them (`_WithInputs`)."""
+        rows, size = self._vision_rows, input_ids.size(0)
+        results = []
+        for start in range(0, size, batch_size or size):
+            end = min(start + (batch_size or size), size)
+            inputs = self._vision_inputs(rows[start:end], input_ids[start:end], logits_to_keep)
+            clips = {k: inputs.pop(k) for k in VIDEO_KEYS if k in inputs}
+            inputs.pop("num_videos")
+            if "pixel_values" not in inputs:
+                inputs.pop("num_images")
+            result = super()._get_per_token_logps_and_entropies(
+                _WithInputs(model, clips), input_ids[start:end], attention_mask[start:end], logits_to_keep,
+                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **inputs,
+            )  # fmt: skip
+            results.append(result)
+        logps = torch.cat([r[0] for r in results])
+        entropies = torch.cat([r[1] for r in results]) if compute_entropy else None
+        aux = torch.stack([r[2] for r in results]).mean() if compute_aux_loss else None
+        return logps, entropies, aux

@@ -9,7 +9,7 @@ Example::
 
 from .dataset import SPLITS, make_visual_reasoning_dataset, split_of
 from .scene import BACKGROUND, COLORS, SHAPES
-from .tasks import DIFFICULTIES, TASKS, answer_words
+from .tasks import DIFFICULTIES, TASKS, VIDEO_TASKS, answer_words
 
 __all__ = [
     "BACKGROUND",
@@ -18,6 +18,7 @@ __all__ = [
     "SHAPES",
     "SPLITS",
     "TASKS",
+    "VIDEO_TASKS",
     "answer_words",
     "make_visual_reasoning_dataset",
     "split_of",

@@ -46,7 +46,8 @@ def make_visual_reasoning_dataset(
         A Dataset with ``prompt`` (``[{"role": "user", "content": question}]``, content a
         plain string), ``image`` (``datasets.Image``, PNG bytes) and ``answer`` (str);
         ``"locate"`` adds ``bbox`` ([x1, y1, x2, y2] floats in pixels, x2/y2
-        exclusive) and ``image_size`` ([width, height]).
+        exclusive) and ``image_size`` ([width, height]). A video task (``"motion"``) has
+        ``video`` (a list of ``datasets.Image`` frames) instead of ``image``.
 
     Raises:
         ValueError: unknown task, split or difficulty, ``n <= 0``, or ``image_size`` too small.
@@ -62,14 +63,15 @@ def make_visual_reasoning_dataset(
 
     samples = [_sample_in_split(spec, task, seed, split, i, image_size, difficulty) for i in range(n)]
     examples = [example for example, _ in samples]
+    media = "video" if spec.video else "image"
     columns: dict[str, list] = {
         "prompt": [[{"role": "user", "content": ex.question}] for ex in examples],
-        "image": [image for _, image in samples],
+        media: [image for _, image in samples],
         "answer": [ex.answer for ex in examples],
     }
     features = {
         "prompt": List({"role": Value("string"), "content": Value("string")}),
-        "image": ImageFeature(),
+        media: List(ImageFeature()) if spec.video else ImageFeature(),
         "answer": Value("string"),
     }
     if task == "locate":
@@ -80,27 +82,28 @@ def make_visual_reasoning_dataset(
     return Dataset.from_dict(columns, features=Features(features))
 
 
-def split_of(image: Image.Image) -> str:
-    """The split that owns a rendered ``image``: a stable hash of its pixels.
+def split_of(image: Image.Image | list[Image.Image]) -> str:
+    """The split that owns a rendered ``image`` (or clip, a list of frames): a stable hash of its pixels.
 
     Hashing pixels rather than sampling parameters means no image can ever appear
     in both splits, even if two parameter sets (or two tasks, seeds or
     difficulties) happen to draw the same picture.
     """
-    key = f"{image.mode}:{image.size}:".encode() + image.tobytes()
+    frames = image if isinstance(image, list) else [image]
+    key = b"".join(f"{im.mode}:{im.size}:".encode() + im.tobytes() for im in frames)
     digest = int.from_bytes(hashlib.sha256(key).digest()[:8], "big")
     return "test" if digest % _TEST_BUCKETS == 0 else "train"
 
 
 def _sample_in_split(
     spec: TaskSpec, task: str, seed: int, split: str, index: int, image_size: int, difficulty: int
-) -> tuple[Example, Image.Image]:
+) -> tuple[Example, Image.Image | list[Image.Image]]:
     # A string seed is hashed by `random` with SHA-512, so it is stable across
     # processes (unlike hash()) and independent per example.
     rng = random.Random(f"{task}-{difficulty}-{image_size}-{seed}-{split}-{index}")
     for _ in range(_MAX_ATTEMPTS):
         example = spec.generate(rng, image_size, difficulty)
-        image = render(example.items, image_size)
+        image = [render(f, image_size) for f in example.frames] if spec.video else render(example.items, image_size)
         if split_of(image) == split:
             return example, image
     raise RuntimeError(f"no {split} example for task {task!r} after {_MAX_ATTEMPTS} draws")

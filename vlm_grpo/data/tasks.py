@@ -33,6 +33,7 @@ from .scene import (
 )
 
 DIFFICULTIES = (1, 2, 3)
+_DIRECTIONS = ("left", "right")
 _RELATIONS = ("left", "right", "above", "below")
 _POSITIONS = ("left", "middle", "right")
 _MAX_COUNT = {1: 4, 2: 5, 3: 6}
@@ -41,12 +42,13 @@ _MAX_DIGIT = {1: 4, 2: 9, 3: 9}
 
 @dataclass(frozen=True)
 class Example:
-    """One sampled task instance, before rendering."""
+    """One sampled task instance, before rendering: one scene, or one per frame of a clip (`frames`)."""
 
     items: tuple[Item, ...]
     question: str
     answer: str
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    frames: tuple[tuple[Item, ...], ...] = ()
 
 
 class _Redraw(Exception):
@@ -270,6 +272,65 @@ def _position(rng: random.Random, size: int, difficulty: int) -> Example:
     return Example((dot,), question, answer)
 
 
+# ----------------------------------------------------------------------- motion
+
+MOTION_FRAMES = 4  # two of Qwen-VL's temporal steps (it pairs frames)
+
+
+@_retry
+def _motion(rng: random.Random, size: int, difficulty: int) -> Example:
+    """A clip of one shape sliding left or right across the frames (a video task: `Example.frames`).
+
+    The path starts anywhere it fits, so where the shape is in one frame says little on its own: the answer is in the
+    change between frames. Harder levels use smaller shapes and shorter moves, and add still distractors.
+    """
+    answer = rng.choice(_DIRECTIONS)
+    side_frac, travel_frac = {1: (0.3, 0.45), 2: (0.22, 0.35), 3: (0.16, 0.3)}[difficulty]
+    side, travel = px(side_frac, size, 3), px(travel_frac, size, 2)
+    kinds = shapes_for(difficulty)
+    color = rng.choice(colors_for(difficulty))
+    x_start = rng.randint(0, size - side - travel)
+    y = rng.randint(0, size - side)
+    xs = [x_start + round(travel * t / (MOTION_FRAMES - 1)) for t in range(MOTION_FRAMES)]
+    if answer == "left":
+        xs.reverse()
+    kind = rng.choice(kinds)
+    path = (min(xs), y, max(xs) + side, y + side)
+    still: list[Item] = []
+    if difficulty == 3:  # shapes that do not move, clear of the moving one's path
+        others = [c for c in colors_for(3) if c != color]
+        sides = [px(0.12, size, 3) for _ in range(rng.randint(1, 2))]
+        for box in _placed(rng, size, sides, [path], px(0.03, size, 1)):
+            still.append(Shape(rng.choice(kinds), COLORS[rng.choice(others)], box))
+    frames = tuple((*still, Shape(kind, COLORS[color], (x, y, x + side, y + side))) for x in xs)
+    question = "Which way does the shape move? Answer with one word: left or right."
+    return Example(frames[0], question, answer, frames=frames)
+
+
+@_retry
+def _color_change(rng: random.Random, size: int, difficulty: int) -> Example:
+    """A clip of one shape that turns from one colour to another: what colour is it at the end? (a video task).
+
+    Both colours are in the clip, so reading the colours is not enough: the answer is the later one. At level 1 the
+    change falls between Qwen-VL's two temporal steps (frames 0-1, 2-3); at higher levels on any frame after the
+    first, and the shape moves a little.
+    """
+    colors = colors_for(difficulty)
+    before, after = rng.sample(colors, 2)
+    low, high = {1: (0.45, 0.7), 2: (0.35, 0.6), 3: (0.25, 0.5)}[difficulty]
+    side = rng.randint(px(low, size, 3), px(high, size, 3))
+    kind = rng.choice(shapes_for(difficulty))
+    change = 2 if difficulty == 1 else rng.randint(1, MOTION_FRAMES - 1)
+    box = random_box(rng, size, side, side)
+    frames = []
+    for t in range(MOTION_FRAMES):
+        if difficulty > 1 and t:
+            box = random_box(rng, size, side, side)
+        frames.append((Shape(kind, COLORS[before if t < change else after], box),))
+    question = "The shape changes colour. What colour is it at the end? Answer with one word."
+    return Example(frames[0], question, after, frames=tuple(frames))
+
+
 def _int_range(lo: float, hi: float) -> tuple[int, int]:
     return -int(-lo // 1), int(hi // 1)
 
@@ -287,6 +348,7 @@ class TaskSpec:
 
     generate: Callable[[random.Random, int, int], Example]
     words: Callable[[int, int], list[str]]  # (difficulty, image_size) -> answer words
+    video: bool = False  # its rows hold a clip (`video`), not an image
 
 
 TASK_SPECS: dict[str, TaskSpec] = {
@@ -297,9 +359,13 @@ TASK_SPECS: dict[str, TaskSpec] = {
     # Locate answers look like "[3, 10, 25, 31]": numbers plus punctuation tokens.
     "locate": TaskSpec(_locate, lambda d, s: ["[", ",", "]", *_number_words(0, s)]),
     "position": TaskSpec(_position, lambda d, s: list(_POSITIONS)),
+    "motion": TaskSpec(_motion, lambda d, s: list(_DIRECTIONS), video=True),
+    "color_change": TaskSpec(_color_change, lambda d, s: colors_for(d), video=True),
 }
 
 TASKS: tuple[str, ...] = tuple(TASK_SPECS)
+#: The tasks whose rows hold a clip (`video`: a list of frames) instead of an image.
+VIDEO_TASKS: tuple[str, ...] = tuple(name for name, spec in TASK_SPECS.items() if spec.video)
 
 
 def check_task(task: str) -> TaskSpec:

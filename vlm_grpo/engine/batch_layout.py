@@ -8,11 +8,14 @@ packs each group into one row. Both ask the same two questions of a batch, answe
      (`grid.prod()` patches per image);
    - Gemma 3: one entry per image, `pixel_values [images, C, H, W]` (LLaVA-style `image_sizes [images, 2]` alike);
    - Idefics3 / SmolVLM: one entry per row, `pixel_values [rows, max images, C, H, W]` with `pixel_attention_mask`.
+   Clips (Qwen-VL) lie alike: `pixel_values_videos [patches, dim]` with `video_grid_thw [clips, 3]` and, for
+   Qwen2.5-VL, `second_per_grid_ts [clips]`.
    `ImageLayout` records each row's ranges along dim 0, whatever the layout.
-2. **Which rows are a group?** Rows with the same prompt tokens *and the same images*, where the same images means
+2. **Which rows are a group?** Rows with the same prompt tokens *and the same images and clips*, where the same means
    identical pixels as the processor fed them (what the model sees), compared as tensors. Rows may come shuffled.
-   Before processing, `prompt_key` tells repeated chat prompts apart by their text and their images' pixels, so the
-   processor can run once per distinct prompt (`distinct_prompts`; `select_rows` then repeats its outputs).
+   Before processing, `prompt_key` tells repeated chat prompts apart by their text and their images' and clips'
+   pixels, so the processor can run once per distinct prompt (`distinct_prompts`; `select_rows` then repeats its
+   outputs).
 """
 
 from __future__ import annotations
@@ -25,10 +28,21 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["ImageLayout", "LayoutUnknown", "as_tensors", "distinct_prompts", "group_rows", "prompt_key", "select_rows"]
+__all__ = [
+    "VIDEO_KEYS",
+    "ImageLayout",
+    "LayoutUnknown",
+    "as_tensors",
+    "distinct_prompts",
+    "group_rows",
+    "prompt_key",
+    "select_rows",
+]
 
 # Processor outputs with one entry per image (Qwen's image_grid_thw, Gemma 3's pixel_values, LLaVA's image_sizes).
 _PER_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_sizes")
+# Processor outputs for clips (Qwen-VL): patches, one grid per clip, and Qwen2.5-VL's seconds per temporal step.
+VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
 class LayoutUnknown(ValueError):
@@ -47,17 +61,53 @@ class ImageLayout:
     """Where each row's images live in a batch's vision tensors: contiguous ranges along dim 0.
 
     `pixel_ranges` index `pixel_values` (and `pixel_attention_mask`): patch rows for Qwen, images for Gemma 3, rows
-    for Idefics3. `image_ranges` index per-image tensors (`image_grid_thw`, `image_sizes`). `keys` is what two rows
-    must share besides their pixels to hold the same images: the image count, and Qwen's grids.
+    for Idefics3. `image_ranges` index per-image tensors (`image_grid_thw`, `image_sizes`). `video_pixel_ranges`
+    index `pixel_values_videos` (patch rows), `video_ranges` the per-clip `video_grid_thw` / `second_per_grid_ts`.
+    `keys` is what two rows must share besides their pixels to hold the same images and clips: the counts, and
+    Qwen's grids (and clip timing).
     """
 
     pixel_ranges: list[tuple[int, int]]
     image_ranges: list[tuple[int, int]]
     keys: list[tuple]
+    video_pixel_ranges: list[tuple[int, int]] | None = None
+    video_ranges: list[tuple[int, int]] | None = None
 
     @classmethod
-    def of(cls, fields: dict[str, Any], images_per_row: Sequence[int]) -> ImageLayout | None:
-        """The layout of `fields` (the processor's outputs for the batch), or None when there are no images."""
+    def of(
+        cls, fields: dict[str, Any], images_per_row: Sequence[int], videos_per_row: Sequence[int] | None = None
+    ) -> ImageLayout | None:
+        """The layout of `fields` (the processor's outputs for the batch), or None when there are no images or
+        clips. `videos_per_row`: each row's clips (None: none)."""
+        rows = len(images_per_row)
+        videos_per_row = list(videos_per_row) if videos_per_row is not None else [0] * rows
+        images = cls._images(fields, images_per_row)
+        if not sum(videos_per_row):
+            return images
+        if fields.get("pixel_values_videos") is None or fields.get("video_grid_thw") is None:
+            raise LayoutUnknown("rows with clips but no pixel_values_videos / video_grid_thw")
+        if images is None:
+            empty = [(0, 0)] * rows
+            images = cls(empty, empty, [(0,)] * rows)
+        clip_starts = _starts(videos_per_row)
+        video_ranges = [(clip_starts[r], clip_starts[r + 1]) for r in range(rows)]
+        grids = [tuple(g) for g in torch.as_tensor(fields["video_grid_thw"]).tolist()]
+        if len(grids) != clip_starts[-1]:
+            raise LayoutUnknown(f"{len(grids)} video grids for {clip_starts[-1]} clips")
+        timing = fields.get("second_per_grid_ts")
+        timing = (
+            [round(float(t), 6) for t in torch.as_tensor(timing).reshape(-1).tolist()] if timing is not None else None
+        )
+        patch_starts = _starts([t * h * w for t, h, w in grids])
+        video_pixel_ranges = [(patch_starts[a], patch_starts[b]) for a, b in video_ranges]
+        keys = [
+            (*key, tuple(grids[a:b]), tuple(timing[a:b]) if timing is not None else None)
+            for key, (a, b) in zip(images.keys, video_ranges)
+        ]
+        return cls(images.pixel_ranges, images.image_ranges, keys, video_pixel_ranges, video_ranges)
+
+    @classmethod
+    def _images(cls, fields: dict[str, Any], images_per_row: Sequence[int]) -> ImageLayout | None:
         pixel_values = fields.get("pixel_values")
         if pixel_values is None or not sum(images_per_row):
             return None
@@ -82,30 +132,47 @@ class ImageLayout:
         raise LayoutUnknown(f"pixel_values of shape {tuple(pixel_values.shape)} is not a known layout")
 
     def same_images(self, fields: dict[str, Any], pairs: Sequence[tuple[int, int]]) -> list[bool]:
-        """For each `(row, other)` pair: whether their images are pixel-identical (read back in one device sync)."""
-        pixel_values, pixel_mask = fields["pixel_values"], fields.get("pixel_attention_mask")
-        different = torch.zeros((), dtype=torch.bool, device=pixel_values.device)
+        """For each `(row, other)` pair: whether their images and clips are pixel-identical (read back in one device
+        sync)."""
+        tensors = [(fields.get("pixel_values"), self.pixel_ranges)]
+        if fields.get("pixel_attention_mask") is not None:
+            tensors.append((fields["pixel_attention_mask"], self.pixel_ranges))
+        if self.video_pixel_ranges is not None:
+            tensors.append((fields["pixel_values_videos"], self.video_pixel_ranges))
+        tensors = [(torch.as_tensor(t), ranges) for t, ranges in tensors if t is not None]
+        different = torch.zeros((), dtype=torch.bool, device=tensors[0][0].device)
         checks = []
         for row, other in pairs:
-            a, b = slice(*self.pixel_ranges[row]), slice(*self.pixel_ranges[other])
-            if self.keys[row] != self.keys[other] or pixel_values[a].shape != pixel_values[b].shape:
+            if self.keys[row] != self.keys[other]:
                 checks.append(different)
                 continue
-            check = (pixel_values[a] == pixel_values[b]).all()
-            if pixel_mask is not None:
-                check = check & (pixel_mask[a] == pixel_mask[b]).all()
+            check = torch.ones((), dtype=torch.bool, device=different.device)
+            for values, ranges in tensors:
+                a, b = values[slice(*ranges[row])], values[slice(*ranges[other])]
+                check = check & (a == b).all() if a.shape == b.shape else different
             checks.append(check)
         return torch.stack(checks).tolist() if checks else []
 
     def vision_inputs(self, fields: dict[str, Any], rows: Sequence[int]) -> dict[str, torch.Tensor]:
-        """The vision tensors of `rows` (in this order), in the batch's own layout."""
+        """The vision tensors of `rows` (in this order), in the batch's own layout. A set of rows without images (or
+        clips) gets none of their tensors: the models take an absent tensor, not an empty one, for "none"."""
         out = {}
-        for name, ranges in (("pixel_values", self.pixel_ranges), ("pixel_attention_mask", self.pixel_ranges),
-                             ("image_grid_thw", self.image_ranges), ("image_sizes", self.image_ranges)):  # fmt: skip
+        named = [("pixel_values", self.pixel_ranges), ("pixel_attention_mask", self.pixel_ranges),
+                 ("image_grid_thw", self.image_ranges), ("image_sizes", self.image_ranges)]  # fmt: skip
+        if self.video_ranges is not None:
+            named += [("pixel_values_videos", self.video_pixel_ranges), ("video_grid_thw", self.video_ranges),
+                      ("second_per_grid_ts", self.video_ranges)]  # fmt: skip
+        for name, ranges in named:
             value = fields.get(name)
             if value is not None:
                 value = torch.as_tensor(value)
                 out[name] = torch.cat([value[slice(*ranges[r])] for r in rows]) if rows else value[:0]
+        if self.video_ranges is not None:
+            for name, ranges in (("pixel_values", self.image_ranges), ("pixel_values_videos", self.video_ranges)):
+                if not sum(ranges[r][1] - ranges[r][0] for r in rows):  # no image / no clip among these rows
+                    keys = VIDEO_KEYS if name == "pixel_values_videos" else ("pixel_values", "image_grid_thw")
+                    for key in keys:
+                        out.pop(key, None)
         return out
 
 
@@ -152,18 +219,25 @@ def as_tensors(fields: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def select_rows(fields: dict[str, Any], images_per_row: Sequence[int], rows: Sequence[int]) -> dict[str, Any]:
+def select_rows(
+    fields: dict[str, Any],
+    images_per_row: Sequence[int],
+    rows: Sequence[int],
+    videos_per_row: Sequence[int] | None = None,
+) -> dict[str, Any]:
     """The processor outputs (as TRL's `_tokenize_prompts` returns them) of `rows`, in that order (a row may repeat).
 
-    Vision tensors are sliced by their `ImageLayout`; other per-row tensors by row, per-token lists
-    (`mm_token_type_ids`, `token_type_ids`) row by row.
+    Vision tensors are sliced by their `ImageLayout` (`videos_per_row`: each row's clips, None for none); other per-row
+    tensors by row, per-token lists (`mm_token_type_ids`, `token_type_ids`) row by row.
     """
     fields = as_tensors(fields)
-    layout = ImageLayout.of(fields, images_per_row)
+    layout = ImageLayout.of(fields, images_per_row, videos_per_row)
     n_rows, n_images = len(images_per_row), sum(images_per_row)
     out = layout.vision_inputs(fields, rows) if layout is not None else {}
     for key, value in fields.items():
-        if key in out:
+        if key in out or (
+            layout is not None and layout.video_ranges is not None and key in (*VIDEO_KEYS, *_PER_IMAGE_KEYS)
+        ):
             continue
         if not isinstance(value, torch.Tensor):
             out[key] = [value[row] for row in rows]  # per-row (per-token) lists
@@ -183,9 +257,20 @@ def _image_key(image: Any) -> bytes | None:
     return hashlib.blake2b(f"{image.mode}{image.size}".encode() + image.tobytes(), digest_size=16).digest()
 
 
+def _clip_key(clip: Any) -> bytes | None:
+    """A digest of a clip's frames and timing (`vlm_grpo.videos.Clip`); None for anything else."""
+    frames = getattr(clip, "frames", None)
+    if not isinstance(frames, tuple) or not all(_image_key(f) is not None for f in frames):
+        return None
+    digest = hashlib.blake2b(f"{clip.fps}{clip.indices}{clip.total_frames}".encode(), digest_size=16)
+    for frame in frames:
+        digest.update(_image_key(frame))
+    return digest.digest()
+
+
 def prompt_key(prompt: Any) -> Hashable | None:
-    """A key equal for chat prompts with the same messages and pixel-identical PIL images; None when a part is of a
-    kind it cannot compare (the caller then treats the prompt as distinct).
+    """A key equal for chat prompts with the same messages and pixel-identical PIL images and clips; None when a part
+    is of a kind it cannot compare (the caller then treats the prompt as distinct).
 
     >>> prompt_key([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
     (('user', (('text', 'hi'),)),)
@@ -200,11 +285,12 @@ def prompt_key(prompt: Any) -> Hashable | None:
             continue
         parts = []
         for part in content or []:
-            if part.get("type") == "image":
-                digest = _image_key(part.get("image"))
+            if part.get("type") in ("image", "video"):
+                kind = part["type"]
+                digest = (_image_key if kind == "image" else _clip_key)(part.get(kind))
                 if digest is None:
                     return None
-                parts.append(("image", digest))
+                parts.append((kind, digest))
             elif part.get("type") == "text" and isinstance(part.get("text"), str) and set(part) <= {"type", "text"}:
                 parts.append(("text", part["text"]))
             else:

@@ -42,6 +42,7 @@ from ..private_api import (
     logits_processors,
     prepare_generation,
 )
+from ..videos import Clip
 from .batch_layout import ImageLayout, LayoutUnknown, as_tensors, group_rows, select_rows
 from .decode_attention import decode_attention
 from .quantized_generation import (
@@ -62,9 +63,12 @@ class FastPathUnavailable(RuntimeError):
 
 
 def group_prompts(
-    prompt_ids: Sequence[Sequence[int]], images_per_row: Sequence[int], fields: dict[str, Any]
+    prompt_ids: Sequence[Sequence[int]],
+    images_per_row: Sequence[int],
+    fields: dict[str, Any],
+    videos_per_row: Sequence[int] | None = None,
 ) -> tuple[list[int], list[int]]:
-    """Find identical prompts: the same token ids and pixel-identical images (`batch_layout.group_rows`).
+    """Find identical prompts: the same token ids and pixel-identical images and clips (`batch_layout.group_rows`).
 
     Returns `(unique, inverse)`: the batch index of each distinct prompt's first row, and for every row the
     position of its prompt in `unique`, so `unique[inverse[i]]` is a row identical to row `i`.
@@ -73,7 +77,7 @@ def group_prompts(
     ([0, 2], [0, 0, 1])
     """
     fields = as_tensors(fields)
-    layout = ImageLayout.of(fields, images_per_row)
+    layout = ImageLayout.of(fields, images_per_row, videos_per_row)
     groups = group_rows([tuple(ids) for ids in prompt_ids], layout, fields)
     inverse = [0] * len(prompt_ids)
     for position, group in enumerate(groups):
@@ -310,15 +314,18 @@ class FastGenerator:
     ) -> list[list[int]]:
         """Complete every prompt; returns each row's completion ids up to and including its first EOS.
 
-        `prompt_ids`, `images` and `multimodal_fields` are what TRL's `_tokenize_prompts` returns;
-        `generation_config` is the trainer's (TRL's sampling settings).
+        `prompt_ids`, `images` and `multimodal_fields` are what TRL's `_tokenize_prompts` returns (for a batch with
+        clips, the trainer's: each row's images and clips in `images`); `generation_config` is the trainer's (TRL's
+        sampling settings).
         """
         base = core_model(model)
         device = next(base.parameters()).device
-        images_per_row = [len(row or []) for row in images] if images is not None else [0] * len(prompt_ids)
+        media = [list(row or []) for row in images] if images is not None else [[] for _ in prompt_ids]
+        videos_per_row = [sum(isinstance(item, Clip) for item in row) for row in media]
+        images_per_row = [len(row) - clips for row, clips in zip(media, videos_per_row)]
         try:  # the groups, and the processor outputs of each group's first row
-            unique, inverse = group_prompts(prompt_ids, images_per_row, multimodal_fields)
-            unique_fields = select_rows(multimodal_fields, images_per_row, unique)
+            unique, inverse = group_prompts(prompt_ids, images_per_row, multimodal_fields, videos_per_row)
+            unique_fields = select_rows(multimodal_fields, images_per_row, unique, videos_per_row)
         except LayoutUnknown as error:
             raise FastPathUnavailable(str(error)) from error
         try:

@@ -51,7 +51,8 @@ __all__ = ["SUPPORTED_MODEL_TYPES", "SharedPrefixUnsupported", "shared_prefix_lo
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = model_types(lambda family: family.shared_prefix)
 _MASK_ATTENTION = ("sdpa", "eager")
 _HANDLED_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "token_type_ids",
-                   "mm_token_type_ids")  # fmt: skip
+                   "mm_token_type_ids", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
+                   "num_videos")  # fmt: skip
 
 
 class SharedPrefixUnsupported(Exception):
@@ -96,6 +97,12 @@ def unsupported_reason(model: torch.nn.Module, compute_aux_loss: bool = False, *
             model_inputs.get("image_grid_thw") is None or model_inputs.get("mm_token_type_ids") is None
         ):
             return "Qwen pixel_values came without image_grid_thw / mm_token_type_ids (needed for 3-D positions)"
+    if model_inputs.get("pixel_values_videos") is not None and (
+        model_inputs.get("num_videos") is None
+        or model_inputs.get("video_grid_thw") is None
+        or model_inputs.get("mm_token_type_ids") is None
+    ):
+        return "pixel_values_videos came without num_videos / video_grid_thw / mm_token_type_ids"
     return None
 
 
@@ -259,10 +266,11 @@ def shared_prefix_logps(
     family = family_of(core)
     config, text_config = core.config, core.config.get_text_config()
     batch, length = input_ids.shape
-    num_images = model_inputs.get("num_images")
+    num_images, num_videos = model_inputs.get("num_images"), model_inputs.get("num_videos")
     images_per_row = [int(n) for n in num_images] if num_images is not None else [0] * batch
+    videos_per_row = [int(n) for n in num_videos] if num_videos is not None else [0] * batch
     try:
-        images = ImageLayout.of(model_inputs, images_per_row)
+        images = ImageLayout.of(model_inputs, images_per_row, videos_per_row)
     except LayoutUnknown as error:
         raise SharedPrefixUnsupported(str(error)) from error
     groups = _find_groups(
@@ -277,8 +285,9 @@ def shared_prefix_logps(
     for chunk in _chunks(groups, batch_size):
         packed = {k: v.to(input_ids.device, non_blocking=True) for k, v in _pack(chunk, length, logits_to_keep).items()}
         refs = [g.rows[0] for g in chunk]
-        # One copy of each group's images (its first row's); a forward without images gets no (empty) vision tensors.
-        with_images = images is not None and any(model_inputs["num_images"][r] for r in refs)
+        # One copy of each group's images and clips (its first row's); a forward without any gets no (empty) vision
+        # tensors.
+        with_images = images is not None and any(images_per_row[r] or videos_per_row[r] for r in refs)
         inputs = images.vision_inputs(model_inputs, refs) if with_images else {}
         for name in ("token_type_ids", "mm_token_type_ids"):
             if model_inputs.get(name) is not None:
@@ -328,16 +337,20 @@ def _position_ids(
     position = packed["position"]
     if family_of(core).rope != "mrope":
         return position
-    if "image_grid_thw" not in inputs:  # text only: the three axes carry the 1-D position
+    if "image_grid_thw" not in inputs and "video_grid_thw" not in inputs:  # text only: 1-D positions on three axes
         return position[None].expand(3, -1, -1)
-    # The model's own 3-D positions for each group's prompt; the completion continues after their maximum.
+    # The model's own 3-D positions for each group's prompt (clips' temporal steps spaced by `second_per_grid_ts` on
+    # Qwen2.5-VL); the completion continues after their maximum.
     ref_index = torch.tensor(refs, device=input_ids.device)
     get_rope_index = getattr(getattr(core, "model", None), "get_rope_index", None) or core.get_rope_index
+    timing = {"second_per_grid_ts": inputs["second_per_grid_ts"]} if "second_per_grid_ts" in inputs else {}
     prompt_positions, _ = get_rope_index(
         input_ids[ref_index, :prompt_len],
         mm_token_type_ids=model_inputs["mm_token_type_ids"][ref_index, :prompt_len],
-        image_grid_thw=inputs["image_grid_thw"],
+        image_grid_thw=inputs.get("image_grid_thw"),
+        video_grid_thw=inputs.get("video_grid_thw"),
         attention_mask=attention_mask[ref_index, :prompt_len],
+        **timing,
     )
     prompt_positions = prompt_positions.to(input_ids.device)  # (3, groups, prompt_len), 0 at padding
     start = prompt_positions.amax(dim=(0, 2)) + 1

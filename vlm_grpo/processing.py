@@ -1,0 +1,96 @@
+"""Chat prompts holding images and clips -> the processor's token ids and vision tensors, in one call.
+
+TRL's GRPO has no video path: it collects only the images of a prompt and processes them without the clips, and
+transformers' `apply_chat_template` would let a Qwen-VL video processor sample the frames again (Qwen3-VL's default)
+without knowing the rate they were taken at. Rows with clips are therefore processed here, by the trainer's rollouts
+and `vlm_grpo.evaluate` alike: the template rendered as text, then one processor call with the images, the clips'
+frames as the video budget kept them (`do_sample_frames=False`) and each clip's `video_metadata` (the source's rate
+and the kept frames' indices), which Qwen2.5-VL turns into `second_per_grid_ts` and Qwen3-VL into frame timestamps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .families import find_family, model_types
+from .videos import Clip
+
+__all__ = ["check_video_support", "holds_clips", "process_prompts", "prompt_media"]
+
+
+def prompt_media(prompt: Any) -> tuple[list[Any], list[Clip]]:
+    """`(images, clips)` placed in a chat prompt's content blocks, in order (empty for a string prompt)."""
+    images: list[Any] = []
+    clips: list[Clip] = []
+    if not isinstance(prompt, list):
+        return images, clips
+    for message in prompt:
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image" and "image" in part:
+                images.append(part["image"])
+            elif kind == "video":
+                if not isinstance(part.get("video"), Clip):
+                    raise ValueError(
+                        "a video block without its clip reached the processor; rows with clips must go through "
+                        "vlm_grpo.rows.prepare_row (the trainer and evaluate do this)"
+                    )
+                clips.append(part["video"])
+    return images, clips
+
+
+def holds_clips(prompts: Sequence[Any]) -> bool:
+    """Whether any of the chat prompts has a video block (so TRL's image-only processing cannot serve the batch)."""
+    return any(
+        isinstance(part, dict) and part.get("type") == "video"
+        for prompt in prompts
+        if isinstance(prompt, list)
+        for message in prompt
+        if isinstance(message, dict) and isinstance(message.get("content"), list)
+        for part in message["content"]
+    )
+
+
+def process_prompts(
+    processor: Any,
+    prompts: Sequence[list[dict[str, Any]]],
+    *,
+    chat_template: str | None = None,
+    tools: Any = None,
+    template_kwargs: dict[str, Any] | None = None,
+    **processor_kwargs: Any,
+) -> Any:
+    """The processor's outputs for chat prompts with their images and clips placed in their content blocks
+    (`vlm_grpo.rows.prepare_row` places them): the generation prompt rendered with the chat template (`chat_template`,
+    `tools` and `template_kwargs` as TRL passes them), then one processor call. `processor_kwargs` go to that call
+    (`padding`, `return_tensors`). Also returns `num_images` and `num_videos`: each row's image and clip counts.
+    """
+    text = processor.apply_chat_template(
+        list(prompts), tools=tools or None, chat_template=chat_template, add_generation_prompt=True, tokenize=False,
+        **(template_kwargs or {}),
+    )  # fmt: skip
+    media = [prompt_media(prompt) for prompt in prompts]
+    images = [row_images for row_images, _ in media]
+    clips = [clip for _, row_clips in media for clip in row_clips]
+    videos = {}
+    if clips:
+        check_video_support(processor)
+        videos = {"videos": [list(c.frames) for c in clips], "video_metadata": [c.metadata() for c in clips],
+                  "do_sample_frames": False}  # fmt: skip
+    out = processor(text=text, images=images if any(images) else None, **videos, **processor_kwargs)
+    out["num_images"] = [len(row) for row in images]
+    out["num_videos"] = [len(row_clips) for _, row_clips in media]
+    return out
+
+
+def check_video_support(processor: Any, model: Any = None) -> None:
+    """Raise ValueError, naming the families that take clips, when `model`'s family or `processor` takes none."""
+    family = find_family(model) if model is not None else None
+    if (family is not None and not family.supports_video) or getattr(processor, "video_processor", None) is None:
+        which = f"{family.model_type} models" if family is not None else type(processor).__name__
+        raise ValueError(
+            f"The rows have clips (a `video` / `videos` column or `<video>` placeholders), but {which} take no video. "
+            f"Use a family that does ({', '.join(model_types(lambda f: f.supports_video))}), or drop the clips."
+        )
