@@ -367,10 +367,8 @@ def _undecoded(dataset: Any, column: str | None) -> Any:
 def _image_problem(image: Any, decode: bool) -> str | None:
     """Why `image` cannot be used, or None. Without `decode`, only an image stored as a file path is checked, for the
     file's existence (a cheap `stat`, done even when decoding every image is switched off)."""
-    if not decode:
-        path = image.get("path") if isinstance(image, dict) and image.get("bytes") is None else image
-        if not isinstance(path, (str, os.PathLike)) or os.path.isfile(path):
-            return None
+    if not decode and _exists_or_not_a_path(image, os.path.isfile):
+        return None
     try:
         load_image(image)
     except ImageError as error:
@@ -382,15 +380,20 @@ def _clip_problem(clip: Any, decode: bool) -> str | None:
     """Why `clip` cannot be used, or None. Without `decode`, a clip given as a path is only checked to exist."""
     if not is_clip_value(clip):
         return f"{type(clip).__name__!r} is not a clip (a list of frames, a folder, a video file)"
-    if not decode:
-        path = clip.get("path") if isinstance(clip, dict) and clip.get("bytes") is None else clip
-        if not isinstance(path, (str, os.PathLike)) or os.path.exists(path):
-            return None
+    if not decode and _exists_or_not_a_path(clip, os.path.exists):
+        return None
     try:
         probe_clip(clip)
     except VideoError as error:
         return str(error)
     return None
+
+
+def _exists_or_not_a_path(value: Any, exists: Callable[[Any], bool]) -> bool:
+    """Whether `value` (a path, or datasets' undecoded `{"bytes", "path"}`) is a file that exists, or no path at all
+    (bytes, arrays, PIL images: nothing to `stat`)."""
+    path = value.get("path") if isinstance(value, dict) and value.get("bytes") is None else value
+    return not isinstance(path, (str, os.PathLike)) or exists(path)
 
 
 def prepare_row(

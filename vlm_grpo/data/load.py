@@ -21,6 +21,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from ..prompts import (
@@ -331,18 +332,8 @@ def to_grpo_rows(
     prompt = _find(columns, prompt_column, PROMPT_COLUMNS, "--prompt_column")
     if prompt is None:
         raise DatasetError(f"no prompt column among {', '.join(columns)}; name it with --prompt_column.")
-    if image_column is None:
-        try:
-            image_column = prompt_image_column(columns)
-        except ValueError as error:
-            raise DatasetError(f"{error} Or name the one to use with --image_column.") from None
-    image = _find(columns, image_column, (), "--image_column")
-    if video_column is None:
-        try:
-            video_column = prompt_video_column(columns)
-        except ValueError as error:
-            raise DatasetError(f"{error} Or name the one to use with --video_column.") from None
-    video = _find(columns, video_column, (), "--video_column")
+    image = _media_column(columns, image_column, prompt_image_column, "--image_column")
+    video = _media_column(columns, video_column, prompt_video_column, "--video_column")
     answer = _find(columns, answer_column, ANSWER_COLUMNS, "--answer_column")
     if prompt_template is not None and "{prompt}" not in prompt_template:
         raise DatasetError("--prompt_template must contain {prompt}, where the question goes.")
@@ -385,6 +376,18 @@ def to_grpo_rows(
     elif system_prompt:
         dataset = dataset.map(lambda row: {"prompt": with_system(row["prompt"], system_prompt)}, desc="system prompt")
     return dataset
+
+
+def _media_column(
+    columns: list[str], given: str | None, default: Callable[[list[str]], str | None], flag: str
+) -> str | None:
+    """The image (or clip) column: `given` (checked to exist), else the usual one `default` finds (None: none)."""
+    if given is None:
+        try:
+            given = default(columns)
+        except ValueError as error:  # both `image` and `images` (or `video` and `videos`)
+            raise DatasetError(f"{error} Or name the one to use with {flag}.") from None
+    return _find(columns, given, (), flag)
 
 
 def _clip_column_name(dataset: Any, column: str) -> str:
