@@ -110,3 +110,17 @@ def test_sample_completions_are_the_greedy_answers_that_evaluate_scores(tiny_dir
     assert sample_completions(model, processor, dataset.select(range(2)), max_new_tokens=3) == [
         {"completion": s["completion"]} for s in samples[:2]
     ]  # no rewards: completions only
+
+
+def test_evaluate_leaves_the_callers_random_stream_where_it_was(tiny_dir):
+    # evaluate() seeds its own sampling; a training run that evaluates mid-way must draw the same numbers afterwards.
+    import torch
+
+    model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    dataset = make_visual_reasoning_dataset("color", 2)
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    evaluate(model, processor, dataset, [lambda completions, **kw: [0.0] * len(completions)], num_generations=2,
+             max_new_tokens=2)  # fmt: skip
+    assert torch.equal(torch.rand(3), expected)

@@ -145,22 +145,24 @@ def _scored_batches(model, processor, dataset, funcs, num_generations, max_new_t
     tokenizer = getattr(processor, "tokenizer", processor)
     padding_side = tokenizer.padding_side
     device = next(model.parameters()).device
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    # Inference mode for the call, then the model's own mode back exactly (train/eval, checkpointing and its kwargs):
-    # an evaluation before training must not change how the trainer trains.
+    # Seeded for the call, and every random generator it touches (the CPU's, the model's GPU's) given back as it was:
+    # an evaluation during training must not change the training run's random stream. Inference mode for the call,
+    # then the model's own mode back exactly (train/eval, checkpointing and its kwargs): an evaluation before training
+    # must not change how the trainer trains.
+    gpus = [device] if device.type == "cuda" else []
     try:
         with (
+            torch.random.fork_rng(devices=gpus),
             generating(model),
             pixel_budget_for_call(processor, min_pixels, max_pixels) as budget,
             video_budget_for_call(processor, **video) as clip_budget,
         ):
+            torch.manual_seed(seed)
             tokenizer.padding_side = "left"
             yield from _batches(model, processor, dataset, funcs, num_generations, max_new_tokens, temperature,
                                 batch_size, (budget, clip_budget), device)  # fmt: skip
     finally:
         tokenizer.padding_side = padding_side
-        torch.random.set_rng_state(generator_state)
 
 
 def _batches(model, processor, dataset, funcs, num_generations, max_new_tokens, temperature, batch_size, budget,
