@@ -13,10 +13,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
+from .engine.batch_layout import VIDEO_KEYS, distinct_prompts, select_rows
 from .families import find_family, model_types
 from .videos import Clip
 
-__all__ = ["check_video_support", "holds_clips", "process_prompts", "prompt_media"]
+__all__ = [
+    "ROW_VISION_KEYS",
+    "check_video_support",
+    "holds_clips",
+    "process_prompts",
+    "prompt_media",
+    "row_vision_inputs",
+    "tokenize_clip_prompts",
+]
+
+#: The processor outputs kept per row of a batch with clips (what the model needs besides the token ids).
+ROW_VISION_KEYS = ("pixel_values", "image_grid_thw", *VIDEO_KEYS)
 
 
 def prompt_media(prompt: Any) -> tuple[list[Any], list[Clip]]:
@@ -94,3 +108,51 @@ def check_video_support(processor: Any, model: Any = None) -> None:
             f"The rows have clips (a `video` / `videos` column or `<video>` placeholders), but {which} take no video. "
             f"Use a family that does ({', '.join(model_types(lambda f: f.supports_video))}), or drop the clips."
         )
+
+
+def tokenize_clip_prompts(
+    processor: Any, prompts: Sequence[list[dict[str, Any]]], **template: Any
+) -> tuple[list[list[int]], list[list[Any]], dict[str, Any], list[dict[str, Any]]]:
+    """TRL's `_tokenize_prompts` for a batch with clips, each distinct prompt processed once (`process_prompts`,
+    `template`: its chat-template arguments).
+
+    Returns `(prompt_ids, media, fields, vision_rows)`: each row's token ids; its images and clips (in TRL's images
+    slot, which TRL reads only for vLLM and tools, both refused with clips); the batch's multimodal fields, repeated
+    per row as TRL's are; and each row's own vision inputs (`ROW_VISION_KEYS` tensors, `num_images`, `num_videos`)
+    for the forward passes (`row_vision_inputs`).
+    """
+    unique, inverse = distinct_prompts(prompts) or (list(range(len(prompts))), list(range(len(prompts))))
+    processed = process_prompts(processor, [prompts[row] for row in unique], **template)
+    ids = processed.pop("input_ids")
+    processed.pop("attention_mask", None)
+    num_images, num_videos = processed.pop("num_images"), processed.pop("num_videos")
+    fields = select_rows(processed, num_images, inverse, num_videos)
+    distinct_rows = []
+    for position in range(len(unique)):
+        row = select_rows(processed, num_images, [position], num_videos)
+        row = {k: v for k, v in row.items() if k in ROW_VISION_KEYS}
+        distinct_rows.append({**row, "num_images": num_images[position], "num_videos": num_videos[position]})
+    vision_rows = [distinct_rows[position] for position in inverse]
+    media = [prompt_media(prompt) for prompt in prompts]
+    return [ids[position] for position in inverse], [images + clips for images, clips in media], fields, vision_rows
+
+
+def row_vision_inputs(
+    rows: Sequence[dict[str, Any]], input_ids: torch.Tensor, logits_to_keep: int, processor: Any
+) -> dict[str, Any]:
+    """The model's vision inputs for `rows` of a batch with clips (`tokenize_clip_prompts`' `vision_rows`): their
+    tensors concatenated, image / clip counts, and `mm_token_type_ids` (1 image, 2 video tokens) over the prompt
+    columns of `input_ids`, 0 over the completion's, as TRL extends the processor's."""
+    device = input_ids.device
+    out: dict[str, Any] = {"num_images": [r["num_images"] for r in rows], "num_videos": [r["num_videos"] for r in rows]}
+    for key in ROW_VISION_KEYS:
+        parts = [r[key] for r in rows if key in r]
+        if parts:
+            out[key] = torch.cat(parts).to(device)
+    types = torch.zeros_like(input_ids)
+    prompt = input_ids[:, : input_ids.size(1) - logits_to_keep]
+    types[:, : prompt.size(1)] = torch.where(prompt == processor.image_token_id, 1, 0) + torch.where(
+        prompt == processor.video_token_id, 2, 0
+    )
+    out["mm_token_type_ids"] = types
+    return out

@@ -73,7 +73,7 @@ from .integrations.unsloth import maybe_patch_for_model
 from .model import FastBaseVisionModel
 from .modes import checkpointing_mode, generating, set_checkpointing
 from .pixel_budget import apply_pixel_budget
-from .processing import check_video_support, holds_clips, process_prompts, prompt_media
+from .processing import check_video_support, holds_clips, row_vision_inputs, tokenize_clip_prompts
 from .processor import load_processor
 from .prompts import video_column
 from .reward_checks import checked_reward_func
@@ -88,7 +88,6 @@ logger = logging.getLogger(__name__)
 # and split of a generation batch keep them with their rows).
 VISION_ROWS = "vlm_grpo_vision_rows"
 # The vision inputs of a row: its images' and its clips' processor outputs, and how many of each.
-_ROW_VISION_KEYS = ("pixel_values", "image_grid_thw", *VIDEO_KEYS)
 
 
 def _check_trl_device_support(device: torch.device) -> None:
@@ -418,29 +417,15 @@ class VLMGRPOTrainer(GRPOTrainer):
         return [prompt_ids[i] for i in inverse], images, fields
 
     def _tokenize_prompts_with_clips(self, prompts: list):
-        """`_tokenize_prompts` for a batch with clips (`vlm_grpo.processing`: TRL's would drop them). Returns each
-        row's images and clips in the images slot (TRL reads it only for vLLM and tools, refused with clips), and
-        keeps each row's vision inputs for the forward passes (`_vision_rows`)."""
+        """`_tokenize_prompts` for a batch with clips (`vlm_grpo.processing`: TRL's would drop them), keeping each
+        row's vision inputs for the forward passes (`_vision_rows`)."""
         if self.tools or self.environment_factories is not None:
             raise ValueError("Clips in tool-calling rollouts are not supported: the tool loop re-enters TRL's image-only "
                              "processing.")  # fmt: skip
-        unique, inverse = distinct_prompts(prompts) or (list(range(len(prompts))), list(range(len(prompts))))
-        processed = process_prompts(
-            self.processing_class, [prompts[row] for row in unique], chat_template=self.chat_template,
-            template_kwargs=self.chat_template_kwargs,
-        )  # fmt: skip
-        ids = processed.pop("input_ids")
-        processed.pop("attention_mask", None)
-        num_images, num_videos = processed.pop("num_images"), processed.pop("num_videos")
-        fields = select_rows(processed, num_images, inverse, num_videos)
-        distinct_rows = []
-        for position in range(len(unique)):
-            row = select_rows(processed, num_images, [position], num_videos)
-            row = {k: v for k, v in row.items() if k in _ROW_VISION_KEYS}
-            distinct_rows.append({**row, "num_images": num_images[position], "num_videos": num_videos[position]})
-        self._vision_rows = [distinct_rows[position] for position in inverse]
-        media = [prompt_media(prompt) for prompt in prompts]
-        return [ids[position] for position in inverse], [images + clips for images, clips in media], fields
+        prompt_ids, media, fields, self._vision_rows = tokenize_clip_prompts(
+            self.processing_class, prompts, chat_template=self.chat_template, template_kwargs=self.chat_template_kwargs
+        )
+        return prompt_ids, media, fields
 
     def _generate(self, prompts: list):
         # TRL marks a text-only row's images None even in a batch whose other rows have images (vLLM wants that), and
@@ -529,7 +514,7 @@ class VLMGRPOTrainer(GRPOTrainer):
         if rows is not None:  # a batch with clips: its vision inputs (images too) come from the rows, not from TRL
             if len(rows) != input_ids.size(0):
                 raise RuntimeError(f"{len(rows)} rows of vision inputs for a batch of {input_ids.size(0)} rows")
-            model_inputs = {**model_inputs, **self._vision_inputs(rows, input_ids, logits_to_keep)}
+            model_inputs = {**model_inputs, **row_vision_inputs(rows, input_ids, logits_to_keep, self.processing_class)}
         if getattr(self.args, "shared_prefix", False):
             try:
                 with self.accelerator.autocast():
@@ -554,27 +539,6 @@ class VLMGRPOTrainer(GRPOTrainer):
             compute_aux_loss=compute_aux_loss, **model_inputs,
         )  # fmt: skip
 
-    def _vision_inputs(self, rows: list[dict[str, Any]], input_ids: torch.Tensor, logits_to_keep: int) -> dict:
-        """The model's vision inputs for `rows` of a batch with clips: their tensors concatenated, image / clip counts,
-        and `mm_token_type_ids` (1 image, 2 video tokens) over the prompt columns, 0 over the completion's, as TRL
-        extends the processor's."""
-        device = input_ids.device
-        out: dict[str, Any] = {
-            "num_images": [r["num_images"] for r in rows],
-            "num_videos": [r["num_videos"] for r in rows],
-        }
-        for key in _ROW_VISION_KEYS:
-            parts = [r[key] for r in rows if key in r]
-            if parts:
-                out[key] = torch.cat(parts).to(device)
-        types = torch.zeros_like(input_ids)
-        prompt = input_ids[:, : input_ids.size(1) - logits_to_keep]
-        types[:, : prompt.size(1)] = torch.where(prompt == self.processing_class.image_token_id, 1, 0) + torch.where(
-            prompt == self.processing_class.video_token_id, 2, 0
-        )
-        out["mm_token_type_ids"] = types
-        return out
-
     def _per_row_logps_with_clips(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss
     ):
@@ -584,7 +548,7 @@ class VLMGRPOTrainer(GRPOTrainer):
         results = []
         for start in range(0, size, batch_size or size):
             end = min(start + (batch_size or size), size)
-            inputs = self._vision_inputs(rows[start:end], input_ids[start:end], logits_to_keep)
+            inputs = row_vision_inputs(rows[start:end], input_ids[start:end], logits_to_keep, self.processing_class)
             clips = {k: inputs.pop(k) for k in VIDEO_KEYS if k in inputs}
             inputs.pop("num_videos")
             if "pixel_values" not in inputs:
