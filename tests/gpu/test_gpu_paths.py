@@ -251,7 +251,9 @@ def test_packed_vision_attention_matches_the_per_window_loop_in_bf16(checkpoint)
     def grad_error(grad):
         return ((grad - loop_grad).norm() / loop_grad.norm()).item()
 
-    print(f"packed vs loop: features {((packed_out - loop_out).abs().mean() / scale).item():.2e} mean relative, "
-          f"gradient {grad_error(packed_grad):.2e} relative (loop vs itself: {grad_error(again_grad):.2e})")
+    print(
+        f"packed vs loop: features {((packed_out - loop_out).abs().mean() / scale).item():.2e} mean relative, "
+        f"gradient {grad_error(packed_grad):.2e} relative (loop vs itself: {grad_error(again_grad):.2e})"
+    )
     assert (packed_out - loop_out).abs().mean() <= 1e-2 * scale
     assert grad_error(packed_grad) <= max(2 * grad_error(again_grad), 5e-3)
