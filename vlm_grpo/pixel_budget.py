@@ -40,6 +40,7 @@ __all__ = [
     "processor_pixel_budget",
     "resizes_by_pixel_budget",
     "set_processor_pixel_budget",
+    "update_size_budget",
 ]
 
 logger = logging.getLogger(__name__)
@@ -95,19 +96,28 @@ def set_processor_pixel_budget(
             "VLMGRPOConfig(min_pixels=..., max_pixels=...) for training and evaluate(..., max_pixels=...), or change "
             "the image processor's own `size`."
         )
+    return update_size_budget(_image_processor(processor).size, min_pixels, max_pixels)
+
+
+def update_size_budget(
+    size: Any, min_pixels: int | None, max_pixels: int | None, prefix: str = ""
+) -> dict[str, tuple[int, int]]:
+    """Write the non-None bounds into a Qwen-VL processor's `size` (`shortest_edge` / `longest_edge`, the image or
+    the video processor's); returns what changed as ``{"<prefix>max_pixels": (old, new), ...}``. Raises ValueError
+    when the combined budget is invalid (min above max); `prefix` names the settings in messages (`video_`)."""
+    current = tuple(int(size[key]) for key in _KEYS.values())
     new = dict(zip(_KEYS, current))
     new.update({k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None})
     if new["min_pixels"] > new["max_pixels"]:
         raise ValueError(
-            f"min_pixels ({new['min_pixels']}) is larger than max_pixels ({new['max_pixels']}) once combined with the "
-            f"processor's own budget {current}; set both."
+            f"{prefix}min_pixels ({new['min_pixels']}) is larger than {prefix}max_pixels ({new['max_pixels']}) once "
+            f"combined with the processor's own budget {current}; set both."
         )
-    size = _image_processor(processor).size
     changed = {}
     for (name, key), old in zip(_KEYS.items(), current):
         if new[name] != old:
             size[key] = new[name]  # a dict in some transformers releases, a SizeDict (item assignment too) in others
-            changed[name] = (old, new[name])
+            changed[prefix + name] = (old, new[name])
     return changed
 
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from .families import FAMILIES
 from .images import check_pixel_budget
+from .pixel_budget import update_size_budget
 from .validation import is_int
 from .videos import Clip, load_clip
 
@@ -173,24 +174,12 @@ def apply_video_budget(
     check_frame_sampling(fps, max_frames, num_frames)
     video_processor = video_processor_of(processor)
     if video_processor is not None and (min_pixels is not None or max_pixels is not None):
-        size = video_processor.size
-        new = {"video_min_pixels": min_pixels, "video_max_pixels": max_pixels}
-        merged = {name: value if value is not None else int(size[key]) for (name, key), value in
-                  zip(_KEYS.items(), new.values())}  # fmt: skip
-        if merged["video_min_pixels"] > merged["video_max_pixels"]:
-            raise ValueError(
-                f"video_min_pixels ({merged['video_min_pixels']}) is larger than video_max_pixels "
-                f"({merged['video_max_pixels']}) once combined with the video processor's own budget; set both."
-            )
-        for name, key in _KEYS.items():
-            old = int(size[key])
-            if merged[name] != old:
-                size[key] = merged[name]
-                if log:
-                    logger.warning(
-                        "%s.%s=%d replaces the video processor's %d (video_processor.size[%r]); the processor keeps "
-                        "the new value and is saved with it.", source, name, merged[name], old, key,
-                    )  # fmt: skip
+        changed = update_size_budget(video_processor.size, min_pixels, max_pixels, prefix="video_")
+        for name, (old, value) in changed.items() if log else ():
+            logger.warning(
+                "%s.%s=%d replaces the video processor's %d (video_processor.size[%r]); the processor keeps the new "
+                "value and is saved with it.", source, name, value, old, _KEYS[name],
+            )  # fmt: skip
     elif video_processor is None and log and (min_pixels is not None or max_pixels is not None):
         logger.warning("%s takes no videos, so %s's video pixel budget does nothing.", type(processor).__name__, source)
     settings = {"fps": fps, "max_frames": max_frames, "num_frames": num_frames}
