@@ -120,7 +120,7 @@ def pack_vision_attention(model: nn.Module) -> int:
     """
     from transformers import AttentionInterface
 
-    layers = [m for m in model.modules() if type(m).__name__ in PACKED_VISION_ATTENTIONS and hasattr(m, "config")]
+    layers = [m for m in model.modules() if _takes_packed_calls(m)]
     if not layers or any(m.config._attn_implementation not in ("sdpa", PACKED) for m in layers):
         return 0
     AttentionInterface.register(PACKED, packed_attention)  # idempotent
@@ -135,6 +135,17 @@ def pack_vision_attention(model: nn.Module) -> int:
         layer.config = config
     logger.info("Vision attention: %d layers attend to their windows in batched calls (%s).", len(layers), PACKED)
     return len(layers)
+
+
+def _takes_packed_calls(module: nn.Module) -> bool:
+    """Whether `module` is one of transformers' Qwen-VL vision attention classes (by name and defining module: a
+    remote-code model's own `VisionAttention` need not follow the packed-call protocol)."""
+    cls = type(module)
+    return (
+        cls.__name__ in PACKED_VISION_ATTENTIONS
+        and cls.__module__.startswith("transformers.models.qwen")
+        and hasattr(module, "config")
+    )
 
 
 def uses_packed_attention(model: nn.Module) -> bool:
