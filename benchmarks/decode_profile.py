@@ -52,6 +52,18 @@ def parse_args(argv=None):
         action="store_true",
         help="decode with transformers' sdpa (key/value heads copied per query head), the earlier path",
     )
+    p.add_argument(
+        "--cuda_graph",
+        default="recorded",
+        choices=("recorded", "compiler"),
+        help="recorded: the decode step recorded by hand (engine/decode_graph.py); compiler: torch.compile's "
+        "reduce-overhead CUDA graphs, the earlier path (FastGenerator.cuda_graph)",
+    )
+    p.add_argument(
+        "--no_fused_qkv",
+        action="store_true",
+        help="q, k and v as three GEMMs, the earlier path (FastGenerator.fused_qkv; engine/fused_projections.py)",
+    )
     p.add_argument("--checkpoint_dir", default="/tmp/vlm-grpo-bench")
     p.add_argument("--out", default="benchmarks/results/decode-profile")
     return p.parse_args(argv)
@@ -96,7 +108,9 @@ def _trainer(args, checkpoint, rows):
 
     model, processor = FastVisionModel.from_pretrained(checkpoint, load_in_4bit=args.load_in_4bit)
     model = FastVisionModel.get_peft_model(model, r=16, lora_alpha=16)
-    dataset_args = argparse.Namespace(prompts=rows // args.num_generations, steps=1, image_size=args.image_size)
+    dataset_args = argparse.Namespace(
+        prompts=rows // args.num_generations, steps=1, image_size=args.image_size, video_frames=0
+    )
     config = VLMGRPOConfig(
         output_dir="/tmp/decode-profile", per_device_train_batch_size=rows, num_generations=args.num_generations,
         max_completion_length=args.tokens, generation_kwargs={"min_new_tokens": args.tokens}, report_to="none",
@@ -129,6 +143,8 @@ def profile_batch(args, checkpoint, prompts: int) -> dict:
     batch = _batch(trainer, args.num_generations)
     generator = trainer.fast_generator
     generator.grouped_attention = not args.no_grouped_attention
+    generator.cuda_graph = args.cuda_graph
+    generator.fused_qkv = not args.no_fused_qkv
     pad = trainer._tokenizer.pad_token_id
 
     def generate():
@@ -188,7 +204,8 @@ def _markdown(args, env, bandwidth, results) -> str:
             f"{args.model}, {args.image_size}² image per prompt, LoRA r=16 ({'unmerged' if args.no_merge else 'merged'} "
             f"while generating, base weights kept on the {args.merge_backup}), "
             f"{'4-bit' if args.load_in_4bit else 'bf16'}, {args.tokens} new tokens forced, "
-            f"{'sdpa with copied key/value heads' if args.no_grouped_attention else 'grouped decode attention'}"
+            f"{'sdpa with copied key/value heads' if args.no_grouped_attention else 'grouped decode attention'}, "
+            f"CUDA graph: {args.cuda_graph}, q/k/v {'as three GEMMs' if args.no_fused_qkv else 'as one GEMM'}"
         ),
         "",
         (

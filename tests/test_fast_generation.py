@@ -131,6 +131,26 @@ def test_merged_lora_generates_like_the_adapter_and_restores_weights_bit_exactly
     assert all(torch.equal(after[n], w) for n, w in before.items())
 
 
+def test_merging_turns_off_only_the_merged_adapters_and_leaves_frozen_ones_frozen(tiny_dir, tmp_path):
+    # The merge sets each merged layer's own flag instead of PEFT's `disable_adapter()`, which would also re-enable
+    # gradients on every adapter when the block ends (and walks the model twice per generation).
+    trainer = _trainer(tiny_dir, tmp_path, lora_b=0.5)
+    model = trainer.model
+    lora = [m for m in model.modules() if hasattr(m, "lora_A")]
+    frozen = [p for n, p in model.named_parameters() if "lora_" in n and ".visual." in n]
+    assert lora and frozen
+    for param in frozen:  # the user froze the vision adapters
+        param.requires_grad_(False)
+    grads = {n: p.requires_grad for n, p in model.named_parameters()}
+    with merged_lora(model) as merged:
+        assert merged and all(m.disable_adapters for m in lora)
+    assert not any(m.disable_adapters for m in lora)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == grads
+    batch = _batch(trainer, ROWS, 2)
+    assert _fast(trainer, batch) == _plain(trainer, batch, 2)
+    assert not any(p.requires_grad for p in frozen)
+
+
 def test_a_host_backup_restores_bit_exactly_and_is_refreshed_only_when_a_weight_changes(tiny_dir, tmp_path):
     trainer = _trainer(tiny_dir, tmp_path, lora_b=0.5)
     trainer.fast_generator.merge_backup = "host"
@@ -141,16 +161,19 @@ def test_a_host_backup_restores_bit_exactly_and_is_refreshed_only_when_a_weight_
     plain = _plain(trainer, batch, 2)
     assert _fast(trainer, batch) == plain  # merged from, and restored from, the host copy
     backup = trainer.fast_generator.backup()
-    assert backup.where == "host" and backup.host_refreshes == len(bases)
+    # The text attention layers' q/k/v are merged into stacked copies instead (engine.fused_projections): no backup.
+    stacked = 3 * len(trainer.fast_generator.fused_projections(model).sites)
+    assert stacked > 0 and backup.where == "host" and backup.host_refreshes == len(bases) - stacked
     assert all(torch.equal(bases[n], w) for n, w in before.items())
     assert _fast(trainer, batch) == plain
-    assert backup.host_refreshes == len(bases)  # frozen weights: the copy made once is reused
+    assert backup.host_refreshes == len(bases) - stacked  # frozen weights: the copy made once is reused
     weight = next(iter(bases.values()))
     with torch.no_grad():  # a base weight changed in place (say, a user unfroze it): its copy must follow
         weight.mul_(1.5)
     changed = weight.detach().clone()
     with merged_lora(model, backup) as merged:
         assert merged and not torch.equal(weight, changed)
+    # This merge (no stacked copies) backs up the q/k/v weights too, for the first time, and the changed one again.
     assert torch.equal(weight, changed) and backup.host_refreshes == len(bases) + 1
     with pytest.raises(ValueError, match="auto, device, host"):
         BaseWeightBackup("gpu")

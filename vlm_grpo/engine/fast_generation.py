@@ -45,6 +45,8 @@ from ..private_api import (
 from ..videos import Clip
 from .batch_layout import ImageLayout, LayoutUnknown, as_tensors, group_rows, select_rows
 from .decode_attention import decode_attention
+from .decode_graph import DecodeGraphs, RecordingFailed
+from .fused_projections import FusedQKV, merges_as_a_delta
 from .quantized_generation import (
     QuantizedGenerationUnsupported,
     QuantizedLayers,
@@ -179,13 +181,17 @@ class BaseWeightBackup:
 
 
 @contextlib.contextmanager
-def merged_lora(model: nn.Module, backup: BaseWeightBackup | None = None) -> Iterator[bool]:
+def merged_lora(
+    model: nn.Module, backup: BaseWeightBackup | None = None, elsewhere: set[int] = frozenset()
+) -> Iterator[bool]:
     """Merge the active LoRA adapters into the base weights for the duration of the block.
 
     Yields True when merged (the adapters are disabled inside the block, the merged weights do their work),
     False when the model cannot be merged exactly (DoRA, a non-linear base, no 16-bit LoRA), in which case nothing
     changes. The base weights are saved before merging (`backup`: on the device by default, or in host memory) and
     copied back after, so they come back bit-identical (a bf16 merge followed by an unmerge would round).
+    Layers whose `id` is in `elsewhere` are left as they are: their merged weights are kept elsewhere
+    (`engine.fused_projections`), and the layers themselves are swapped out while generating.
     """
     # Quantised (bitsandbytes) bases are left out: `vlm_grpo.engine.quantized_generation` swaps them for plain layers with
     # their adapters applied while generating, so disabling their adapters here changes nothing.
@@ -194,14 +200,14 @@ def merged_lora(model: nn.Module, backup: BaseWeightBackup | None = None) -> Ite
         for m in model.modules()
         if hasattr(m, "lora_A") and hasattr(m, "get_base_layer") and not is_quantized_linear(m.get_base_layer())
     ]
-    if not layers or not hasattr(model, "disable_adapter") or not all(_merges_as_a_delta(layer) for layer in layers):
+    if not layers or not hasattr(model, "disable_adapter") or not all(merges_as_a_delta(layer) for layer in layers):
         yield False
         return
     backup = backup if backup is not None else BaseWeightBackup("device")
     merges = []
     for layer in layers:
         active = [name for name in layer.active_adapters if name in layer.lora_A]
-        if active and not layer.disable_adapters:
+        if active and not layer.disable_adapters and id(layer) not in elsewhere:
             merges.append((layer, layer.get_base_layer().weight, active))
     if merges:
         backup.resolve([weight for _, weight, _ in merges])
@@ -211,23 +217,19 @@ def merged_lora(model: nn.Module, backup: BaseWeightBackup | None = None) -> Ite
             for name in active:  # W += scaling * (B @ A): PEFT's delta for a Linear base, in one kernel
                 lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
                 weight.addmm_(lora_b.to(weight.dtype), lora_a.to(weight.dtype), alpha=layer.scaling[name])
+    # The merged layers' adapters are off inside the block, each layer's own flag set and put back. PEFT's
+    # `disable_adapter()` would walk the whole model twice and reset every adapter's requires_grad (unfreezing any
+    # the user froze): ~90 ms a call for a 3B VLM's 414 LoRA layers, most of the merge's cost.
+    merged_layers = [layer for layer, _, _ in merges]
     try:
-        with model.disable_adapter():
-            yield True
+        for layer in merged_layers:
+            layer._disable_adapters = True
+        yield True
     finally:
+        for layer in merged_layers:
+            layer._disable_adapters = False
         with torch.no_grad():
             backup.restore()
-
-
-def _merges_as_a_delta(layer: nn.Module) -> bool:
-    """Whether a LoRA layer is a plain Linear whose adapters are exactly `W + scaling * B @ A`: not DoRA or another
-    variant, no LoRA bias (it would be lost with the adapters disabled), no transposed (fan-in/fan-out) weight."""
-    extras = (getattr(layer, "use_dora", {}), getattr(layer, "lora_bias", {}), getattr(layer, "lora_variant", {}))
-    return (
-        type(layer.get_base_layer()) is nn.Linear
-        and not getattr(layer, "fan_in_fan_out", False)
-        and not any(any(extra.values()) for extra in extras)
-    )
 
 
 def _text_config(model: nn.Module) -> Any:
@@ -250,6 +252,11 @@ class FastGenerator:
             `vlm_grpo.engine.quantized_generation`): plain stand-ins, so the decode step compiles like a 16-bit model's.
         cache_bucket: the static cache length is rounded up to a multiple of this, so prompts of different
             lengths reuse one compiled graph.
+        cuda_graph: how the compiled decode step becomes a CUDA graph: "recorded" (`engine.decode_graph`: recorded
+            once per batch shape and replayed, one launch per token) or "compiler" (`torch.compile`'s
+            reduce-overhead mode, which runs its guards and address checks at every token).
+        fused_qkv: with `merge_lora`, each decoder attention layer's q, k and v projections run as one GEMM over a
+            stacked copy of their merged weights (`engine.fused_projections`).
     """
 
     compile: bool | None = None
@@ -258,12 +265,17 @@ class FastGenerator:
     quantized: str = "auto"
     grouped_attention: bool = True
     cache_bucket: int = 256
+    cuda_graph: str = "recorded"
+    fused_qkv: bool = True
     stats: dict[str, int] = field(default_factory=lambda: {"calls": 0, "rows": 0, "prefill_rows": 0, "decode_steps": 0})
     _caches: dict[tuple[int, int], Any] = field(default_factory=dict, repr=False)
     _compiled_call: Any = field(default=None, repr=False)
+    _compiled_mode: str | None = field(default=None, repr=False)
+    _graphs: DecodeGraphs = field(default_factory=DecodeGraphs, repr=False)
     _quantized_layers: QuantizedLayers | None = field(default=None, repr=False)
     _quantized_model: int | None = field(default=None, repr=False)
     _backup: BaseWeightBackup | None = field(default=None, repr=False)
+    _fused: FusedQKV | None = field(default=None, repr=False)
 
     def backup(self) -> BaseWeightBackup:
         """The base-weight backup `merged_lora` uses (one per generator, so a host copy outlives a generation)."""
@@ -294,6 +306,15 @@ class FastGenerator:
             self._quantized_model = id(model)
             self._quantized_layers = QuantizedLayers(model, self.quantized) if has_quantized_layers(model) else None
         return self._quantized_layers
+
+    def fused_projections(self, model: nn.Module) -> FusedQKV | None:
+        """The stacked q/k/v weights for `model` (built on the first generation, rebuilt if its layers changed; None
+        when `fused_qkv` or `merge_lora` is off, or no layer qualifies)."""
+        if not (self.fused_qkv and self.merge_lora):
+            return None
+        if self._fused is None or not self._fused.matches(model):
+            self._fused = FusedQKV(model)
+        return self._fused if self._fused.sites else None
 
     def describe_quantized(self) -> dict[str, Any]:
         """How quantised layers generate: mode, layers replaced, GiB of copies held (empty without any)."""
@@ -331,10 +352,15 @@ class FastGenerator:
         try:
             quantized = self.quantized_layers(model)
             swapped = quantized.swapped() if quantized is not None else contextlib.nullcontext()
-            merged = merged_lora(model, self.backup()) if self.merge_lora else contextlib.nullcontext(False)
+            fused = self.fused_projections(model)
+            elsewhere = fused.covers() if fused is not None else frozenset()
+            merged = merged_lora(model, self.backup(), elsewhere) if self.merge_lora else contextlib.nullcontext(False)
             with swapped, merged:  # stand-ins first: they read the adapters before `merged_lora` disables them
-                rows = self._generate(base, device, prompt_ids, unique, inverse, unique_fields, generation_config,
-                                      pad_token_id)  # fmt: skip
+                if fused is not None:
+                    fused.fill()
+                with fused.swapped() if fused is not None else contextlib.nullcontext():
+                    rows = self._generate(base, device, prompt_ids, unique, inverse, unique_fields, generation_config,
+                                          pad_token_id)  # fmt: skip
         except QuantizedGenerationUnsupported as error:  # raised before anything was swapped or generated
             raise FastPathUnavailable(str(error)) from error
         self.stats["calls"] += 1
@@ -406,7 +432,7 @@ class FastGenerator:
         tokens[:, :width] = input_ids.index_select(0, index)
         position = positions.index_select(-2, index)[..., -1:]  # last prompt position of every row
         processors = logits_processors(model, config, tokens[:, :width], device, model_kwargs)
-        forward = self._decode_fn(model)
+        forward = self._decode_fn(model, cache)
         slot = torch.tensor([width - 1], device=device)  # the cache slot the next token is written to, minus one
 
         logits = out.logits[:, -1].to(dtype=torch.float32).index_select(0, index)
@@ -453,22 +479,40 @@ class FastGenerator:
             cache.reset()
         return cache
 
-    def _decode_fn(self, model: nn.Module):
-        """One decode step: `(tokens [B,1], positions, cache slot [1], mask [B, cache_len], cache) -> logits [B, V]`."""
-        call = model.__call__
+    def _decode_fn(self, model: nn.Module, cache: Any):
+        """One decode step: `(tokens [B,1], positions, cache slot [1], mask [B, cache_len], cache) -> logits [B, V]`
+        (float32; with recorded CUDA graphs, a buffer the next step overwrites)."""
         cache_name = cache_kwarg(model)  # `cache` (transformers >= 5.2x) or `past_key_values`
-        if self._compile_on(model):
-            # One compiled callable per model; torch.compile keeps one graph per (batch, cache length).
-            if self._compiled_call is None:
-                self._compiled_call = torch.compile(model.__call__, mode="reduce-overhead", dynamic=False)
+        compiled = self._compile_on(model)
+        recorded = compiled and self.cuda_graph == "recorded" and next(model.parameters()).device.type == "cuda"
+        call = model.__call__
+        if compiled:
+            # One compiled callable per model; torch.compile keeps one graph per (batch, cache length). Recorded
+            # graphs need Inductor's kernels without the compiler's own CUDA graphs.
+            mode = "default" if recorded else "reduce-overhead"
+            if self._compiled_call is None or self._compiled_mode != mode:
+                self._compiled_call, self._compiled_mode = torch.compile(model.__call__, mode=mode, dynamic=False), mode
             call = self._compiled_call
 
-        def step(next_tokens, position, slot, mask, cache):
-            if self._compile_on(model):
-                torch.compiler.cudagraph_mark_step_begin()
+        def forward(next_tokens, position, slot, mask, cache):
             out = call(input_ids=next_tokens, position_ids=position, attention_mask=mask, cache_position=slot,
                        use_cache=True, logits_to_keep=1, **{cache_name: cache})  # fmt: skip
             # Copy: a CUDA graph overwrites its outputs on the next replay.
             return out.logits[:, -1].to(dtype=torch.float32, copy=True)
+
+        if recorded:
+            self._graphs.begin(model, cache)
+
+        def step(next_tokens, position, slot, mask, cache):
+            if recorded and self.cuda_graph == "recorded":
+                try:
+                    return self._graphs.step(forward, next_tokens, position, slot, mask, cache)
+                except RecordingFailed as error:  # this step runs compiled without a graph, later calls on the trees
+                    logger.warning("%s; decoding with torch.compile's CUDA graphs instead (cuda_graph='compiler').",
+                                   error)  # fmt: skip
+                    self.cuda_graph = "compiler"
+            elif compiled:
+                torch.compiler.cudagraph_mark_step_begin()
+            return forward(next_tokens, position, slot, mask, cache)
 
         return step
