@@ -34,7 +34,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from ..compat import cache_kwarg
-from ..families import core_model, projector_names, vision_tower_names
+from ..families import core_model
 from ..private_api import (
     can_generate_fast,
     eos_tokens,
@@ -182,7 +182,7 @@ class BaseWeightBackup:
 
 @contextlib.contextmanager
 def merged_lora(
-    model: nn.Module, backup: BaseWeightBackup | None = None, leave: set[int] = frozenset()
+    model: nn.Module, backup: BaseWeightBackup | None = None, elsewhere: set[int] = frozenset()
 ) -> Iterator[bool]:
     """Merge the active LoRA adapters into the base weights for the duration of the block.
 
@@ -190,8 +190,8 @@ def merged_lora(
     False when the model cannot be merged exactly (DoRA, a non-linear base, no 16-bit LoRA), in which case nothing
     changes. The base weights are saved before merging (`backup`: on the device by default, or in host memory) and
     copied back after, so they come back bit-identical (a bf16 merge followed by an unmerge would round).
-    Layers whose `id` is in `leave` are left as they are, adapters on (`FastGenerator.generate` leaves the vision
-    side, and the q/k/v projections it serves from stacked copies).
+    Layers whose `id` is in `elsewhere` are left as they are: their merged weights are kept elsewhere
+    (`engine.fused_projections`), and the layers themselves are swapped out while generating.
     """
     # Quantised (bitsandbytes) bases are left out: `vlm_grpo.engine.quantized_generation` swaps them for plain layers with
     # their adapters applied while generating, so disabling their adapters here changes nothing.
@@ -207,7 +207,7 @@ def merged_lora(
     merges = []
     for layer in layers:
         active = [name for name in layer.active_adapters if name in layer.lora_A]
-        if active and not layer.disable_adapters and id(layer) not in leave:
+        if active and not layer.disable_adapters and id(layer) not in elsewhere:
             merges.append((layer, layer.get_base_layer().weight, active))
     if merges:
         backup.resolve([weight for _, weight, _ in merges])
@@ -230,17 +230,6 @@ def merged_lora(
             layer._disable_adapters = False
         with torch.no_grad():
             backup.restore()
-
-
-def vision_side_layers(model: nn.Module) -> set[int]:
-    """`id`s of the LoRA layers in the vision encoder or the projector (any module path through one of the families'
-    vision tower or projector attribute names): the decode steps never run them."""
-    names = {*vision_tower_names(), *projector_names()}
-    return {
-        id(module)
-        for path, module in model.named_modules()
-        if hasattr(module, "lora_A") and not names.isdisjoint(path.split("."))
-    }
 
 
 def _text_config(model: nn.Module) -> Any:
@@ -364,10 +353,8 @@ class FastGenerator:
             quantized = self.quantized_layers(model)
             swapped = quantized.swapped() if quantized is not None else contextlib.nullcontext()
             fused = self.fused_projections(model)
-            # Left unmerged: the vision side runs once, in the prefill, so merging and restoring its weights would cost
-            # more than its adapters do; the stacked q/k/v copies hold their own merged weights.
-            leave = vision_side_layers(model) | (fused.covers() if fused is not None else set())
-            merged = merged_lora(model, self.backup(), leave) if self.merge_lora else contextlib.nullcontext(False)
+            elsewhere = fused.covers() if fused is not None else frozenset()
+            merged = merged_lora(model, self.backup(), elsewhere) if self.merge_lora else contextlib.nullcontext(False)
             with swapped, merged:  # stand-ins first: they read the adapters before `merged_lora` disables them
                 if fused is not None:
                     fused.fill()
