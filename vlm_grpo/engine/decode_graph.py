@@ -2,15 +2,18 @@
 
 `torch.compile(mode="reduce-overhead")` records CUDA graphs too (cudagraph trees), but every call still runs
 Dynamo's guards over the whole model (hundreds of LoRA layers' attributes), the trees' checks that ~500 static inputs
-kept their addresses, and the copies of the other inputs: on an H100 that host work took longer than the 3B decode
-step itself (4.6 ms against 4.2 ms of kernels in `benchmarks/results/h100-decode-profile-host/`), so the GPU waited
-on Python at every token. Here the model is compiled without graphs (Inductor's fused kernels), one decode step is
-recorded per (batch, cache) with `torch.cuda.graph`, and each later step copies its four small inputs into the
-recorded buffers and replays. The guards and address checks run once per generation instead of once per token
-(`begin`): a parameter or cache tensor that moved (re-allocated weights, a new cache) drops the recording.
+kept their addresses, and the copies of the other inputs, and the step ran as two graphs (the `lm_head` apart). On an
+H100 (3B, 16 rows, under the profiler) the GPU was busy 4.0 ms of each 6.7 ms decode step and waited on the host for
+the rest; recorded by hand, the step is 4.2 ms of back-to-back kernels (`benchmarks/results/h100-decode-profile-modes/`).
+Here the model is compiled without graphs (Inductor's fused kernels), one decode step is recorded per (batch, cache)
+with `torch.cuda.graph`, and each later step copies its four small inputs into the recorded buffers and replays. The
+address checks run once per generation instead of once per token (`begin`): a parameter, buffer or cache tensor that
+moved (re-allocated weights, a new cache) drops the recordings.
 
-What the recording computes is what the compiled call computes (the same kernels on the same buffers); sampling,
-the logits processors and the stopping rules stay outside, unchanged.
+What a replay computes is what the compiled call computes (the same kernels on the same buffers; `tests/gpu`); sampling,
+the logits processors and the stopping rules stay outside, unchanged. Python-side state the forward changes is changed
+only when recording: transformers' static cache keeps its length in a device tensor (advanced by the replay), and the
+sliding-window layers' Python counter only matters once the window is full, which the fast path refuses.
 """
 
 from __future__ import annotations

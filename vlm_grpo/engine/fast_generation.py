@@ -9,8 +9,10 @@ min_new_tokens) and its position rules, and changes four things:
 1. Identical prompts (same token ids, same image pixels) are prefilled once: the vision tower and the
    prompt run on the unique rows and the KV cache is copied to every completion of the group.
 2. Decoding writes into a `StaticCache` whose length is rounded up to `cache_bucket` tokens, and the
-   one-token forward is compiled (`torch.compile(mode="reduce-overhead")`: a CUDA graph), so a run
-   compiles once per (batch size, cache bucket) instead of once per step.
+   one-token forward is compiled (Inductor) and recorded as one CUDA graph (`engine.decode_graph`), so a run
+   compiles once per (batch size, cache bucket) and a token costs one graph launch. The q/k/v projections run as
+   one GEMM over stacked merged weights (`engine.fused_projections`), and grouped-query attention reads the cache
+   in place (`engine.decode_attention`).
 3. Optionally, LoRA is merged into the base weights while generating (one matmul per projection instead
    of three) and the original weights are copied back afterwards, bit for bit.
 4. bitsandbytes 4-bit / 8-bit layers, which cannot be compiled, are replaced for the call by plain stand-ins
