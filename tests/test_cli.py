@@ -157,6 +157,22 @@ def test_bad_input_is_one_line_and_exit_status_2_with_nothing_written(tmp_path, 
     assert not out.exists()
 
 
+def test_a_new_run_into_a_finished_runs_output_dir_is_refused_with_its_model_untouched(tmp_path, capsys, monkeypatch):
+    # A run saved without checkpoints (save_strategy no) leaves only final/: a second run must not overwrite it.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "run"
+    (out / "final").mkdir(parents=True)
+    (out / "final" / "model.safetensors").write_bytes(b"trained weights")
+    assert main(["--output_dir", str(out), "--max_steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err.startswith(f"vlm-grpo: error: --output_dir {out} holds an earlier run's trained model") and "\n" not in err
+    )
+    assert "--overwrite_output_dir" in err
+    assert sorted(p.name for p in out.rglob("*")) == ["final", "model.safetensors"]
+    assert (out / "final" / "model.safetensors").read_bytes() == b"trained weights"
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -16,7 +16,7 @@ from PIL import Image
 from trl.data_utils import prepare_multimodal_messages
 from trl.trainer.grpo_trainer import GRPOTrainer
 
-from vlm_grpo.engine.fast_generation import BaseWeightBackup, choose_backup, merged_lora
+from vlm_grpo.engine.fast_generation import BaseWeightBackup, FastGenerator, choose_backup, merged_lora
 from vlm_grpo.model import FastVisionModel
 from vlm_grpo.rows import prepare_row
 from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
@@ -177,6 +177,8 @@ def test_a_host_backup_restores_bit_exactly_and_is_refreshed_only_when_a_weight_
     assert torch.equal(weight, changed) and backup.host_refreshes == len(bases) + 1
     with pytest.raises(ValueError, match="auto, device, host"):
         BaseWeightBackup("gpu")
+    with pytest.raises(ValueError, match="recorded, compiler"):
+        FastGenerator(cuda_graph="trees")
 
 
 def test_auto_keeps_the_backup_on_the_host_only_for_gpu_weights_that_fit_in_host_memory(monkeypatch):

@@ -386,8 +386,8 @@ def check_args(script: ScriptArguments, config: Any) -> None:
 
 def resume_checkpoint(script: ScriptArguments, config: Any) -> str | None:
     """The checkpoint the run continues from (None: a new run), once --output_dir is known to take this run without
-    mixing it with another: a new run into a directory holding checkpoints is refused unless
-    `--overwrite_output_dir`. `--resume_from_checkpoint` with no value (`auto`, or `true` from YAML) is the newest
+    mixing it with another: a new run into a directory holding checkpoints, or a finished run's `final/`, is refused
+    unless `--overwrite_output_dir`. `--resume_from_checkpoint` with no value (`auto`, or `true` from YAML) is the newest
     complete checkpoint (`vlm_grpo.checkpoints`), or a new run where there is no checkpoint at all. Raises
     `UsageError`; writes nothing."""
     from .checkpoints import checkpoint_dirs, incomplete_reason, newest_complete_checkpoint
@@ -403,6 +403,10 @@ def resume_checkpoint(script: ScriptArguments, config: Any) -> str | None:
             names = ", ".join(os.path.basename(c) for c in existing[-3:])
             raise UsageError(f"--output_dir {config.output_dir} holds checkpoints of an earlier run ({names}): continue "
                              "it with --resume_from_checkpoint, or start over with --overwrite_output_dir.")  # fmt: skip
+        final = os.path.join(config.output_dir, "final")
+        if os.path.lexists(final) and not script.overwrite_output_dir:  # a finished run that kept no checkpoints
+            raise UsageError(f"--output_dir {config.output_dir} holds an earlier run's trained model ({final}): choose "
+                             "another --output_dir, or replace it with --overwrite_output_dir.")  # fmt: skip
         return None
     if requested is True or str(requested).lower() in (AUTO, "true"):
         if not existing:

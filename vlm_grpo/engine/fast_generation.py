@@ -91,6 +91,7 @@ def group_prompts(
 
 
 MERGE_BACKUPS = ("auto", "device", "host")
+CUDA_GRAPHS = ("recorded", "compiler")  # FastGenerator.cuda_graph
 # "auto" keeps the backup in host memory when all local processes' copies take at most this share of the host's
 # available memory.
 HOST_SHARE = 0.5
@@ -278,6 +279,10 @@ class FastGenerator:
     _quantized_model: int | None = field(default=None, repr=False)
     _backup: BaseWeightBackup | None = field(default=None, repr=False)
     _fused: FusedQKV | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.cuda_graph not in CUDA_GRAPHS:
+            raise ValueError(f"cuda_graph must be one of {', '.join(CUDA_GRAPHS)}, got {self.cuda_graph!r}")
 
     def backup(self) -> BaseWeightBackup:
         """The base-weight backup `merged_lora` uses (one per generator, so a host copy outlives a generation)."""
