@@ -8,7 +8,7 @@ the rest; recorded by hand, the step is 4.2 ms of back-to-back kernels (`benchma
 Here the model is compiled without graphs (Inductor's fused kernels), one decode step is recorded per (batch, cache)
 with `torch.cuda.graph`, and each later step copies its four small inputs into the recorded buffers and replays. The
 address checks run once per generation instead of once per token (`begin`): a parameter, buffer or cache tensor that
-moved (re-allocated weights, a new cache) drops the recordings.
+moved (re-allocated weights, a new cache), or a module replaced, drops the recordings.
 
 What a replay computes is what the compiled call computes (the same kernels on the same buffers; `tests/gpu`); sampling,
 the logits processors and the stopping rules stay outside, unchanged. Python-side state the forward changes is changed
@@ -63,7 +63,8 @@ class DecodeGraphs:
         self._addresses: tuple[int, ...] | None = None
 
     def begin(self, model: nn.Module, cache: Any) -> None:
-        """Drop every recording if a parameter, buffer or cache tensor of this generation moved since they were made."""
+        """Drop every recording if a parameter, buffer or cache tensor of this generation moved, or a module was
+        replaced, since they were made."""
         addresses = _addresses(model, cache)
         if addresses != self._addresses:
             self.recordings.clear()
@@ -123,8 +124,10 @@ class DecodeGraphs:
 
 
 def _addresses(model: nn.Module, cache: Any) -> tuple[int, ...]:
-    """The storage addresses a recording reads: every parameter and buffer of the model, and the cache's tensors."""
+    """What a recording depends on: the storage address of every parameter and buffer of the model and of the cache's
+    tensors, and the identity of every module (a stand-in rebuilt around moved weights, e.g. a quantised layer's in
+    `engine.quantized_generation`, may read tensors that are neither parameters nor buffers)."""
     tensors = [*model.parameters(), *model.buffers()]
     for layer in getattr(cache, "layers", []):
         tensors += [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None]
-    return tuple(t.data_ptr() for t in tensors)
+    return (*(t.data_ptr() for t in tensors), *(id(m) for m in model.modules()))
