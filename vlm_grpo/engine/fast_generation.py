@@ -57,7 +57,15 @@ from .quantized_generation import (
     is_quantized_linear,
 )
 
-__all__ = ["MERGE_BACKUPS", "BaseWeightBackup", "FastGenerator", "FastPathUnavailable", "group_prompts", "merged_lora"]
+__all__ = [
+    "CUDA_GRAPHS",
+    "MERGE_BACKUPS",
+    "BaseWeightBackup",
+    "FastGenerator",
+    "FastPathUnavailable",
+    "group_prompts",
+    "merged_lora",
+]
 
 logger = logging.getLogger(__name__)
 
