@@ -163,14 +163,14 @@ def test_a_new_run_into_a_finished_runs_output_dir_is_refused_with_its_model_unt
     out = tmp_path / "run"
     (out / "final").mkdir(parents=True)
     (out / "final" / "model.safetensors").write_bytes(b"trained weights")
-    assert main(["--output_dir", str(out), "--max_steps", "1"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert (
-        err.startswith(f"vlm-grpo: error: --output_dir {out} holds an earlier run's trained model") and "\n" not in err
-    )
-    assert "--overwrite_output_dir" in err
-    assert sorted(p.name for p in out.rglob("*")) == ["final", "model.safetensors"]
-    assert (out / "final" / "model.safetensors").read_bytes() == b"trained weights"
+    # A plain new run, and a restart script's `--resume_from_checkpoint` (nothing to resume: a new run) alike.
+    for resume in ([], ["--resume_from_checkpoint"]):
+        assert main(["--output_dir", str(out), "--max_steps", "1", *resume]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"vlm-grpo: error: --output_dir {out} holds an earlier run's trained model"), err
+        assert "--overwrite_output_dir" in err and "\n" not in err
+        assert sorted(p.name for p in out.rglob("*")) == ["final", "model.safetensors"]
+        assert (out / "final" / "model.safetensors").read_bytes() == b"trained weights"
 
 
 @pytest.mark.parametrize(

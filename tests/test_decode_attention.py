@@ -29,6 +29,20 @@ def test_grouped_decode_attention_equals_sdpa_with_copied_heads(mask_dtype):
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
+def test_fp16_scores_do_not_overflow_before_scaling():
+    # q . k of 8e4 overflows fp16 (max 65504); scaled by 1/sqrt(128) it is 7e3. The query is scaled first.
+    module = nn.Module()
+    module.num_key_value_groups = 2
+    query = torch.full((1, 2, 1, 128), 25.0, dtype=torch.float64)
+    key = torch.full((1, 1, 3, 128), 25.0, dtype=torch.float64)
+    key[..., 1, :] = 24.0
+    value = torch.randn(1, 1, 3, 128, dtype=torch.float64)
+    expected, _ = sdpa_attention_forward(module, query, key, value, None)
+    got, _ = grouped_decode_sdpa(module, query.half(), key.half(), value.half(), None)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), expected, rtol=2e-2, atol=2e-2)
+
+
 def test_a_prefill_goes_to_sdpa_unchanged():
     module = nn.Module()
     module.num_key_value_groups = 2

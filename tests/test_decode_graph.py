@@ -1,12 +1,12 @@
 """`vlm_grpo.engine.decode_graph` on CPU: what a recording depends on. (Recording and replaying need CUDA:
-`tests/gpu/test_decode_graph.py` checks the tokens, one recording reused across generations, and a new one after a
+`tests/gpu/test_gpu_decode_graph.py` checks the tokens, one recording reused across generations, and a new one after a
 weight moved.)"""
 
 from __future__ import annotations
 
 import torch
 
-from vlm_grpo.engine.decode_graph import DecodeGraphs, _addresses
+from vlm_grpo.engine.decode_graph import DecodeGraphs, _cache_signature
 from vlm_grpo.model import FastVisionModel
 
 
@@ -19,9 +19,9 @@ def test_recordings_are_dropped_when_a_weight_moves_or_a_module_is_replaced_and_
     graphs = DecodeGraphs()
 
     def begin_keeps_recordings() -> bool:
-        graphs.recordings["a recording"] = None  # what `step` would have recorded, read back after `begin`
+        graphs.recordings[(id(cache), "a recording")] = None  # what `step` would have recorded, read after `begin`
         graphs.begin(model, cache)
-        return "a recording" in graphs.recordings
+        return (id(cache), "a recording") in graphs.recordings
 
     graphs.begin(model, cache)
     assert begin_keeps_recordings()  # nothing moved: recordings replay across generations
@@ -36,8 +36,14 @@ def test_recordings_are_dropped_when_a_weight_moves_or_a_module_is_replaced_and_
     attention = next(m for n, m in model.named_modules() if n.endswith("layers.0.self_attn"))
     attention.o_proj = torch.nn.Linear(o_proj.in_features, o_proj.out_features)  # a module swapped in
     assert not begin_keeps_recordings()
-    before = _addresses(model, cache)
+    # Each cache's recordings depend on its own tensors only: the training and evaluation batches take turns.
+    other = StaticCache(config=model.config, max_cache_len=32)
+    graphs.begin(model, other)
+    graphs.recordings[(id(other), "shape")] = None
+    assert begin_keeps_recordings() and (id(other), "shape") in graphs.recordings
     text = model.config.get_text_config(decoder=True)
     states = torch.zeros(1, text.num_key_value_heads, 1, text.hidden_size // text.num_attention_heads)
-    cache.update(states, states, 0)  # the cache allocates its tensors on first use: they are read by a recording too
-    assert len(_addresses(model, cache)) == len(before) + 2
+    other.update(states, states, 0)  # the cache allocates its tensors on first use: they are read by a recording
+    assert len(_cache_signature(other)) == 2
+    graphs.begin(model, other)
+    assert (id(other), "shape") not in graphs.recordings and (id(cache), "a recording") in graphs.recordings

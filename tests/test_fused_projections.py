@@ -69,3 +69,18 @@ def test_fill_follows_the_adapter_and_the_stacked_memory_stays_put(tiny_dir):
 def test_adapters_that_do_not_merge_as_a_delta_are_left_alone(tiny_dir):
     assert fusable_sites(_model(tiny_dir))
     assert not fusable_sites(_model(tiny_dir, use_dora=True))  # DoRA rescales columns: not W + B @ A
+
+
+def test_an_adapter_peft_merged_itself_is_left_to_peft(tiny_dir):
+    # After PEFT's `merge_adapter()` the delta is in the base weight and PEFT's forward owns that state: adding it
+    # again (stacked copies) or toggling the layers' flags (merged_lora) would double it or unmerge mid-generation.
+    from vlm_grpo.engine.fast_generation import merged_lora
+
+    model = _model(tiny_dir)
+    sites = len(fusable_sites(model))
+    model.merge_adapter()
+    assert sites and not fusable_sites(model)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with merged_lora(model) as merged:
+        assert not merged
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())

@@ -403,13 +403,11 @@ def resume_checkpoint(script: ScriptArguments, config: Any) -> str | None:
             names = ", ".join(os.path.basename(c) for c in existing[-3:])
             raise UsageError(f"--output_dir {config.output_dir} holds checkpoints of an earlier run ({names}): continue "
                              "it with --resume_from_checkpoint, or start over with --overwrite_output_dir.")  # fmt: skip
-        final = os.path.join(config.output_dir, "final")
-        if os.path.lexists(final) and not script.overwrite_output_dir:  # a finished run that kept no checkpoints
-            raise UsageError(f"--output_dir {config.output_dir} holds an earlier run's trained model ({final}): choose "
-                             "another --output_dir, or replace it with --overwrite_output_dir.")  # fmt: skip
+        _refuse_a_finished_run(script, config)
         return None
     if requested is True or str(requested).lower() in (AUTO, "true"):
         if not existing:
+            _refuse_a_finished_run(script, config)  # nothing to resume, and a new run would overwrite its model
             print(f"--resume_from_checkpoint: no checkpoint in {config.output_dir}, starting a new run", flush=True)
             return None
         checkpoint = newest_complete_checkpoint(config.output_dir)
@@ -427,6 +425,15 @@ def resume_checkpoint(script: ScriptArguments, config: Any) -> str | None:
     print(f"resuming from {checkpoint}", flush=True)
     _note_generation_batch_split(config, checkpoint)
     return checkpoint
+
+
+def _refuse_a_finished_run(script: ScriptArguments, config: Any) -> None:
+    """A new run into a directory holding a finished run's `final/` (a run that kept no checkpoints) would overwrite
+    its trained model: refused unless `--overwrite_output_dir`."""
+    final = os.path.join(config.output_dir, "final")
+    if os.path.lexists(final) and not script.overwrite_output_dir:
+        raise UsageError(f"--output_dir {config.output_dir} holds an earlier run's trained model ({final}): choose "
+                         "another --output_dir, or replace it with --overwrite_output_dir.")  # fmt: skip
 
 
 def _note_generation_batch_split(config: Any, checkpoint: str) -> None:

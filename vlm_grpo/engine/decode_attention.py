@@ -60,7 +60,8 @@ def grouped_decode_sdpa(
     # float32 (or wider). Under torch.compile this is two small batched GEMMs and one fused masked softmax, 2.5x faster on an
     # H100 than the fused SDPA kernels, whose tiles of 64+ query rows leave all but B x H/G blocks idle with 8 rows
     # (`benchmarks/decode_kernels.py`: 8.2 against 20.2 us per layer for the 3B, 16 rows).
-    scores = torch.matmul(grouped, key.transpose(-1, -2)) * (dim**-0.5 if scaling is None else scaling)
+    # The query is scaled before the product (as SDPA's math does), so fp16 scores do not overflow before scaling.
+    scores = torch.matmul(grouped * (dim**-0.5 if scaling is None else scaling), key.transpose(-1, -2))
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)

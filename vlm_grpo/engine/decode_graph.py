@@ -49,7 +49,7 @@ class _Recording:
 class DecodeGraphs:
     """Recorded decode steps, one per (input shapes, cache), valid while the tensors they read stay where they are.
 
-    Call `begin(model, cache)` once per generation (it drops recordings whose weights or cache moved), then
+    Call `begin(model, cache)` once per generation (it drops the recordings whose weights or cache moved), then
     `step(call, next_tokens, position, slot, mask, cache)` per token: the first step of a shape runs `call` as it is,
     the second records it and replays, later steps only replay.
     At most `keep` recordings are kept (the training batch's and the evaluation batch's).
@@ -60,16 +60,31 @@ class DecodeGraphs:
         self.recordings: dict[tuple, _Recording] = {}
         self.recorded = 0  # how many steps were recorded (each new shape, cache or moved weight records once)
         self._warm: set[tuple] = set()
-        self._addresses: tuple[int, ...] | None = None
+        self._model_signature: tuple[int, ...] | None = None
+        self._cache_signatures: dict[int, tuple[int, ...]] = {}
+        self._side: torch.cuda.Stream | None = None  # one warm-up stream (cuBLAS keeps a workspace per stream)
 
     def begin(self, model: nn.Module, cache: Any) -> None:
-        """Drop every recording if a parameter, buffer or cache tensor of this generation moved, or a module was
-        replaced, since they were made."""
-        addresses = _addresses(model, cache)
-        if addresses != self._addresses:
-            self.recordings.clear()
-            self._warm.clear()
-            self._addresses = addresses
+        """Drop every recording if a parameter or buffer of the model moved or a module was replaced, and this cache's
+        recordings if its tensors moved, since they were made (the other cache's recordings stay: training and
+        evaluation batches take turns)."""
+        signature = _model_signature(model)
+        if signature != self._model_signature:
+            self.clear()
+            self._model_signature = signature
+        cache_signature = _cache_signature(cache)
+        if self._cache_signatures.get(id(cache)) != cache_signature:
+            for key in [k for k in self.recordings if k[0] == id(cache)]:
+                del self.recordings[key]
+            self._warm = {k for k in self._warm if k[0] != id(cache)}
+            self._cache_signatures[id(cache)] = cache_signature
+
+    def clear(self) -> None:
+        """Drop every recording (and the memory its graph holds)."""
+        self.recordings.clear()
+        self._warm.clear()
+        self._cache_signatures.clear()
+        self._model_signature = None
 
     def step(
         self,
@@ -86,36 +101,42 @@ class DecodeGraphs:
         and cuBLAS and the allocator set up outside any recording); the second records it and replays. Both are real
         steps: a step is never run twice, because a step is not idempotent (the cache advances its own length).
         The returned logits of a replay live in the recording's buffer: the next `step` overwrites them (after the
-        work queued before it, so reading them on the same stream before the next step is safe)."""
+        work queued before it, so reading them on the same stream before the next step is safe). Runs on the inputs'
+        device (the model's: one device, `FastGenerator` records nothing else)."""
         inputs = (next_tokens, position, slot, mask)
         key = (id(cache), *((tuple(t.shape), t.dtype) for t in inputs))
-        recording = self.recordings.get(key)
-        if recording is None and key not in self._warm:
-            self._warm.add(key)
-            current, side = torch.cuda.current_stream(), torch.cuda.Stream()
-            side.wait_stream(current)
-            with torch.cuda.stream(side):
-                logits = call(*inputs, cache)
-            current.wait_stream(side)
-            logits.record_stream(current)
-            return logits
-        if recording is None:
-            recording = self._record(call, inputs, cache)
-            for old in list(self.recordings)[: max(0, len(self.recordings) - self.keep + 1)]:
-                del self.recordings[old]
-            self.recordings[key] = recording
-        else:
-            for static, value in zip(recording.inputs, inputs):
-                static.copy_(value)
-        recording.graph.replay()
-        return recording.logits
+        with torch.cuda.device(next_tokens.device):
+            recording = self.recordings.get(key)
+            if recording is None and key not in self._warm:
+                self._warm.add(key)
+                current = torch.cuda.current_stream()
+                if self._side is None or self._side.device != current.device:
+                    self._side = torch.cuda.Stream()
+                self._side.wait_stream(current)
+                with torch.cuda.stream(self._side):
+                    logits = call(*inputs, cache)
+                current.wait_stream(self._side)
+                logits.record_stream(current)
+                return logits
+            if recording is None:
+                recording = self._record(call, inputs, cache)
+                for old in list(self.recordings)[: max(0, len(self.recordings) - self.keep + 1)]:
+                    del self.recordings[old]
+                self.recordings[key] = recording
+            else:
+                for static, value in zip(recording.inputs, inputs):
+                    static.copy_(value)
+            recording.graph.replay()
+            return recording.logits
 
     def _record(self, call: DecodeCall, inputs: tuple[torch.Tensor, ...], cache: Any) -> _Recording:
         """Record one step (recording runs nothing: the replay that follows is the step)."""
         static = tuple(t.clone() for t in inputs)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            # thread_local: another thread's allocation (a DataLoader's pin-memory thread) may go on while recording,
+            # as torch.compile's own CUDA graphs allow.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 logits = call(*static, cache)
         except RuntimeError as error:
             raise RecordingFailed(f"the decode step could not be recorded as a CUDA graph ({error})") from error
@@ -123,11 +144,17 @@ class DecodeGraphs:
         return _Recording(graph, static, logits)
 
 
-def _addresses(model: nn.Module, cache: Any) -> tuple[int, ...]:
-    """What a recording depends on: the storage address of every parameter and buffer of the model and of the cache's
-    tensors, and the identity of every module (a stand-in rebuilt around moved weights, e.g. a quantised layer's in
-    `engine.quantized_generation`, may read tensors that are neither parameters nor buffers)."""
+def _model_signature(model: nn.Module) -> tuple[int, ...]:
+    """What a recording reads of the model: the storage address of every parameter and buffer, and the identity of
+    every module (a stand-in rebuilt around moved weights, e.g. a quantised layer's in `engine.quantized_generation`,
+    may read tensors that are neither parameters nor buffers)."""
     tensors = [*model.parameters(), *model.buffers()]
+    return (*(t.data_ptr() for t in tensors), *(id(m) for m in model.modules()))
+
+
+def _cache_signature(cache: Any) -> tuple[int, ...]:
+    """The storage addresses of a cache's key and value tensors (allocated on first use)."""
+    tensors = []
     for layer in getattr(cache, "layers", []):
         tensors += [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None]
-    return (*(t.data_ptr() for t in tensors), *(id(m) for m in model.modules()))
+    return tuple(t.data_ptr() for t in tensors)

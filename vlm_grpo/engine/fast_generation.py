@@ -37,6 +37,7 @@ from torch.profiler import record_function
 
 from ..compat import cache_kwarg
 from ..families import core_model
+from ..integrations.unsloth import uses_unsloth
 from ..private_api import (
     can_generate_fast,
     eos_tokens,
@@ -211,7 +212,12 @@ def merged_lora(
         for m in model.modules()
         if hasattr(m, "lora_A") and hasattr(m, "get_base_layer") and not is_quantized_linear(m.get_base_layer())
     ]
-    if not layers or not hasattr(model, "disable_adapter") or not all(merges_as_a_delta(layer) for layer in layers):
+    if (
+        not layers
+        or not hasattr(model, "disable_adapter")
+        or not all(merges_as_a_delta(layer) for layer in layers)
+        or any(layer.merged for layer in layers)  # PEFT merged an adapter itself (`merge_adapter`): its state, not ours
+    ):
         yield False
         return
     backup = backup if backup is not None else BaseWeightBackup("device")
@@ -325,7 +331,8 @@ class FastGenerator:
     def fused_projections(self, model: nn.Module) -> FusedQKV | None:
         """The stacked q/k/v weights for `model` (built on the first generation, rebuilt if its layers changed; None
         when `fused_qkv` or `merge_lora` is off, or no layer qualifies)."""
-        if not (self.fused_qkv and self.merge_lora):
+        # Unsloth's patched attention reads its projections' LoRA attributes directly: they stay as they are there.
+        if not (self.fused_qkv and self.merge_lora) or uses_unsloth(model):
             return None
         if self._fused is None or not self._fused.matches(model):
             self._fused = FusedQKV(model)
@@ -499,7 +506,9 @@ class FastGenerator:
         (float32; with recorded CUDA graphs, a buffer the next step overwrites)."""
         cache_name = cache_kwarg(model)  # `cache` (transformers >= 5.2x) or `past_key_values`
         compiled = self._compile_on(model)
-        recorded = compiled and self.cuda_graph == "recorded" and next(model.parameters()).device.type == "cuda"
+        # Recorded on one GPU only: a model split over several (device_map) has kernels a recording would not see.
+        devices = {p.device for p in model.parameters()}
+        recorded = compiled and self.cuda_graph == "recorded" and len(devices) == 1 and devices.pop().type == "cuda"
         call = model.__call__
         if compiled:
             # One compiled callable per model; torch.compile keeps one graph per (batch, cache length). Recorded
@@ -526,6 +535,7 @@ class FastGenerator:
                     logger.warning("%s; decoding with torch.compile's CUDA graphs instead (cuda_graph='compiler').",
                                    error)  # fmt: skip
                     self.cuda_graph = "compiler"
+                    self._graphs.clear()
             elif compiled:
                 torch.compiler.cudagraph_mark_step_begin()
             return forward(next_tokens, position, slot, mask, cache)

@@ -162,7 +162,8 @@ def _active_adapters(projection: nn.Module) -> list[str]:
 def _mergeable(projection: nn.Module) -> bool:
     if not hasattr(projection, "lora_A"):
         return type(projection) is nn.Linear
-    return hasattr(projection, "get_base_layer") and merges_as_a_delta(projection)
+    # An adapter PEFT merged already (`merge_adapter`) is in the base weight: PEFT's forward owns that state.
+    return hasattr(projection, "get_base_layer") and merges_as_a_delta(projection) and not projection.merged
 
 
 def merges_as_a_delta(layer: nn.Module) -> bool:
