@@ -58,6 +58,23 @@ def tiny_dir(tmp_path_factory):
 # ----- helpers shared by test files (`from conftest import ...`) -----
 
 
+def colour_rows(family: str) -> dict:
+    """Chat rows of plain-colour images for the group tests, sized for `family` (Qwen3-VL's patches are 16 px, the
+    others' 14): `text` (no image), `one` (a red image), `two` (red, then a wider blue one), `other` (`one`'s prompt,
+    a green image)."""
+    from PIL import Image
+
+    side = 64 if family == "qwen3_vl" else 56
+    red, green = Image.new("RGB", (side, side), (255, 0, 0)), Image.new("RGB", (side, side), (0, 255, 0))
+    wide_blue = Image.new("RGB", (side * 3 // 2, side), (0, 0, 255))
+    return {
+        "text": {"prompt": user_turn("Say red."), "images": []},
+        "one": {"prompt": user_turn(None, "What colour?"), "images": [red]},
+        "two": {"prompt": user_turn(None, "and", None, "first?"), "images": [red, wide_blue]},
+        "other": {"prompt": user_turn(None, "What colour?"), "images": [green]},
+    }
+
+
 def image_batch(processor, n: int = 2, size: int = 56, seed: int = 0):
     """Processor outputs for `n` chat prompts, each one random-pixel `size`x`size` image and a question."""
     from PIL import Image

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import user_turn
+from conftest import colour_rows, user_turn
 from datasets import Dataset
-from PIL import Image
 from trl import GRPOTrainer
 
 from vlm_grpo.data import answer_words
@@ -30,13 +29,9 @@ def _varied_reward(prompts, completions, **kwargs):
 
 
 def _rows(family):
-    side = 64 if family == "qwen3_vl" else 56
-    red, green = Image.new("RGB", (side, side), (255, 0, 0)), Image.new("RGB", (side, side), (0, 255, 0))
-    wide_blue = Image.new("RGB", (side * 3 // 2, side), (0, 0, 255))
-    text = {"prompt": user_turn("Say red."), "images": []}
-    one = {"prompt": user_turn(None, "What colour?"), "images": [red]}
-    two = {"prompt": user_turn(None, "and", None, "which colour comes first?"), "images": [red, wide_blue]}
-    other = {"prompt": user_turn(None, "What colour?"), "images": [green]}
+    rows = colour_rows(family)
+    text, one, other = rows["text"], rows["one"], rows["other"]
+    two = dict(rows["two"], prompt=user_turn(None, "and", None, "which colour comes first?"))
     # Two batches: text and one-image rows with short prompts; two-image rows with a longer prompt.
     return [text, text, one, one], [two, two, other, other]
 

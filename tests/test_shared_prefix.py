@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import user_turn
+from conftest import colour_rows
 from datasets import Dataset
 from PIL import Image
 from trl import GRPOTrainer
@@ -29,16 +29,12 @@ def _zero_reward(prompts, completions, **kwargs):
 
 
 def _rows(family):
-    side = 64 if family == "qwen3_vl" else 56
-    red, green = Image.new("RGB", (side, side), (255, 0, 0)), Image.new("RGB", (side, side), (0, 255, 0))
-    wide_blue = Image.new("RGB", (side * 3 // 2, side), (0, 0, 255))
-    text = {"prompt": user_turn("Say red."), "images": []}
-    one = {"prompt": user_turn(None, "What colour?"), "images": [red]}
-    two = {"prompt": user_turn(None, "and", None, "first?"), "images": [red, wide_blue]}
+    rows = colour_rows(family)
+    text, one, two = rows["text"], rows["one"], rows["two"]
     # Same tokens as `one` / `two` (for Gemma3 / Idefics3 `swapped` too: they resize every image), other pixels:
     # the shared path must tell them apart by their pixels. Each appears once (a group of one).
-    other_pixels = {"prompt": user_turn(None, "What colour?"), "images": [green]}
-    swapped = {"prompt": user_turn(None, "and", None, "first?"), "images": [wide_blue, red]}
+    other_pixels = rows["other"]
+    swapped = {"prompt": two["prompt"], "images": two["images"][::-1]}
     # 9 images in 8 rows: TRL's split_pixel_values_by_grid takes Idefics3's per-row pixel_values for per-image ones
     # when the image count equals the row count, and then shuffles images away from their rows.
     return [text, text, one, one, two, two, other_pixels, swapped]
