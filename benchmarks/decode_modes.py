@@ -1,6 +1,8 @@
 """Whole generations, one after another in one process, with the decode step's CUDA graph recorded by hand
-(`FastGenerator.cuda_graph="recorded"`) and by torch.compile ("compiler"): seconds per generation and how many
-recordings were made, so a re-recording per generation would show.
+(`FastGenerator.cuda_graph="recorded"`) with the sampling inside the recording or on the host
+(`FastGenerator.sample_in_graph`), and by torch.compile ("compiler"): seconds per generation and how many recordings
+were made, so a re-recording per generation would show. The first setting runs again at the end: the first runs after
+compiling are slower on a busy host (Inductor's compile workers).
 
     python benchmarks/decode_modes.py --model qwen2.5-vl-3b
 """
@@ -29,8 +31,9 @@ def main() -> None:
     model = trainer.accelerator.unwrap_model(trainer.model)
     batch = _batch(trainer, args.num_generations)
     generator, pad = trainer.fast_generator, trainer._tokenizer.pad_token_id
-    for mode in ("recorded", "compiler", "recorded"):
-        generator.cuda_graph = mode
+    settings = [("recorded", True), ("recorded", False), ("compiler", False), ("recorded", True), ("recorded", False)]
+    for mode, inside in settings:
+        generator.cuda_graph, generator.sample_in_graph = mode, inside
         times = []
         for _ in range(5):
             torch.cuda.synchronize()
@@ -39,7 +42,8 @@ def main() -> None:
                 generator.generate(model, *batch, trainer.generation_config, pad)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-        print(f"{mode}: " + " ".join(f"{t:.3f}" for t in times) + f" s; recordings made {generator._graphs.recorded}",
+        where = ", sampling inside" if inside else ", sampling on the host" if mode == "recorded" else ""
+        print(f"{mode}{where}: " + " ".join(f"{t:.3f}" for t in times) + f" s; recordings made {generator._graphs.recorded}",
               flush=True)  # fmt: skip
 
 

@@ -64,6 +64,12 @@ def parse_args(argv=None):
         action="store_true",
         help="q, k and v as three GEMMs, the earlier path (FastGenerator.fused_qkv; engine/fused_projections.py)",
     )
+    p.add_argument(
+        "--no_sample_in_graph",
+        action="store_true",
+        help="sample on the host after the recorded forward, the earlier path (FastGenerator.sample_in_graph; "
+        "engine/token_loop.py)",
+    )
     p.add_argument("--checkpoint_dir", default="/tmp/vlm-grpo-bench")
     p.add_argument("--out", default="benchmarks/results/decode-profile")
     return p.parse_args(argv)
@@ -134,7 +140,7 @@ def profile_batch(args, checkpoint, prompts: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from vlm_grpo.engine.fast_generation import merged_lora
+    from vlm_grpo.engine.lora_merge import merged_lora
     from vlm_grpo.modes import generating
 
     rows = prompts * args.num_generations
@@ -145,6 +151,7 @@ def profile_batch(args, checkpoint, prompts: int) -> dict:
     generator.grouped_attention = not args.no_grouped_attention
     generator.cuda_graph = args.cuda_graph
     generator.fused_qkv = not args.no_fused_qkv
+    generator.sample_in_graph = not args.no_sample_in_graph
     pad = trainer._tokenizer.pad_token_id
 
     def generate():
@@ -205,7 +212,8 @@ def _markdown(args, env, bandwidth, results) -> str:
             f"while generating, base weights kept on the {args.merge_backup}), "
             f"{'4-bit' if args.load_in_4bit else 'bf16'}, {args.tokens} new tokens forced, "
             f"{'sdpa with copied key/value heads' if args.no_grouped_attention else 'grouped decode attention'}, "
-            f"CUDA graph: {args.cuda_graph}, q/k/v {'as three GEMMs' if args.no_fused_qkv else 'as one GEMM'}"
+            f"CUDA graph: {args.cuda_graph}, q/k/v {'as three GEMMs' if args.no_fused_qkv else 'as one GEMM'}, "
+            f"sampling {'on the host' if args.no_sample_in_graph else 'inside the recorded step'}"
         ),
         "",
         (

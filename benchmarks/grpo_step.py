@@ -61,7 +61,11 @@ VLM_VARIANTS = {
     "vlm-grpo-plain": {"fast_generation": False},
     "vlm-grpo-light": {"fast_generation_quantized": "light"},
     "vlm-grpo-off": {"fast_generation": False, "shared_prefix": False},  # both fast paths off: the video baseline
+    "vlm-grpo-round3": {},  # the engine as the third decode round left it (GENERATOR_VARIANTS)
 }
+# Variants set on the trainer's FastGenerator: `vlm-grpo-round3` samples on the host after the recorded forward and
+# copies the base weights back before the scoring forward, not beside it (engine/token_loop.py, engine/lora_merge.py).
+GENERATOR_VARIANTS = {"vlm-grpo-round3": {"sample_in_graph": False, "overlap_restore": False}}
 
 
 def parse_args(argv=None):
@@ -112,8 +116,11 @@ def parse_args(argv=None):
 def _sync_time() -> float:
     import torch
 
+    # The compute stream's work, not the device's: vlm-grpo copies the base weights back from the host on a side
+    # stream that overlaps the scoring forward (engine/lora_merge.py), so that copy counts where it makes the compute
+    # stream wait (scoring), and in the step total. For TRL, which uses one stream, the two are the same.
     if torch.cuda.is_available():
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
     return time.perf_counter()
 
 
@@ -232,6 +239,8 @@ def run_worker(args) -> None:
             model = FastVisionModel.get_peft_model(model, r=16, lora_alpha=16)
         trainer = _timed(VLMGRPOTrainer)(model, [_reward], args=VLMGRPOConfig(**common), train_dataset=dataset,
                                          processing_class=processor, callbacks=[timer])  # fmt: skip
+        for name, value in GENERATOR_VARIANTS.get(trainer_name, {}).items():
+            setattr(trainer.fast_generator, name, value)
     else:
         from peft import LoraConfig
         from transformers import AutoModelForImageTextToText, AutoProcessor, BitsAndBytesConfig

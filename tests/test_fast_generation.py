@@ -16,7 +16,6 @@ from PIL import Image
 from trl.data_utils import prepare_multimodal_messages
 from trl.trainer.grpo_trainer import GRPOTrainer
 
-from vlm_grpo.engine.fast_generation import BaseWeightBackup, FastGenerator, choose_backup, merged_lora
 from vlm_grpo.model import FastVisionModel
 from vlm_grpo.rows import prepare_row
 from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
@@ -112,88 +111,31 @@ def test_sampling_with_a_seed_gives_the_plain_paths_tokens(tiny_dir, tmp_path):
     assert len({tuple(c) for c in fast[:4]}) > 1  # really sampled: one prompt's completions differ
 
 
-def test_merged_lora_generates_like_the_adapter_and_restores_weights_bit_exactly(tiny_dir, tmp_path):
-    trainer = _trainer(tiny_dir, tmp_path, lora_b=0.5)
-    model = trainer.model
-    before = {n: p.detach().clone() for n, p in model.named_parameters() if "base_layer" in n}
-    batch = _batch(trainer, ROWS, 2)
-    plain = _plain(trainer, batch, 2)  # unmerged adapter, TRL's path
-    base_only = None
-    with model.disable_adapter():
-        base_only = _plain(trainer, batch, 2)
-    assert plain != base_only  # the adapter changes the completions, so merging is visible
-    assert trainer.fast_generator.merge_lora
-    assert _fast(trainer, batch) == plain
-    after = dict(model.named_parameters())
-    assert all(torch.equal(after[n], w) for n, w in before.items())
-    with merged_lora(model) as merged:  # inside the block the merged weights differ from the originals
-        assert merged and any(not torch.equal(after[n], w) for n, w in before.items())
-    assert all(torch.equal(after[n], w) for n, w in before.items())
-
-
-def test_merging_turns_off_only_the_merged_adapters_and_leaves_frozen_ones_frozen(tiny_dir, tmp_path):
-    # The merge sets each merged layer's own flag instead of PEFT's `disable_adapter()`, which would also re-enable
-    # gradients on every adapter when the block ends (and walks the model twice per generation).
-    trainer = _trainer(tiny_dir, tmp_path, lora_b=0.5)
-    model = trainer.model
-    lora = [m for m in model.modules() if hasattr(m, "lora_A")]
-    frozen = [p for n, p in model.named_parameters() if "lora_" in n and ".visual." in n]
-    assert lora and frozen
-    for param in frozen:  # the user froze the vision adapters
-        param.requires_grad_(False)
-    grads = {n: p.requires_grad for n, p in model.named_parameters()}
-    with merged_lora(model) as merged:
-        assert merged and all(m.disable_adapters for m in lora)
-    assert not any(m.disable_adapters for m in lora)
-    assert {n: p.requires_grad for n, p in model.named_parameters()} == grads
-    batch = _batch(trainer, ROWS, 2)
-    assert _fast(trainer, batch) == _plain(trainer, batch, 2)
-    assert not any(p.requires_grad for p in frozen)
-
-
-def test_a_host_backup_restores_bit_exactly_and_is_refreshed_only_when_a_weight_changes(tiny_dir, tmp_path):
-    trainer = _trainer(tiny_dir, tmp_path, lora_b=0.5)
-    trainer.fast_generator.merge_backup = "host"
-    model = trainer.model
-    bases = {n: p for n, p in model.named_parameters() if "base_layer" in n and p.dim() == 2}
-    before = {n: p.detach().clone() for n, p in bases.items()}
-    batch = _batch(trainer, ROWS, 2)
-    plain = _plain(trainer, batch, 2)
-    assert _fast(trainer, batch) == plain  # merged from, and restored from, the host copy
-    backup = trainer.fast_generator.backup()
-    # The text attention layers' q/k/v are merged into stacked copies instead (engine.fused_projections): no backup.
-    stacked = 3 * len(trainer.fast_generator.fused_projections(model).sites)
-    assert stacked > 0 and backup.where == "host" and backup.host_refreshes == len(bases) - stacked
-    assert all(torch.equal(bases[n], w) for n, w in before.items())
-    assert _fast(trainer, batch) == plain
-    assert backup.host_refreshes == len(bases) - stacked  # frozen weights: the copy made once is reused
-    weight = next(iter(bases.values()))
-    with torch.no_grad():  # a base weight changed in place (say, a user unfroze it): its copy must follow
-        weight.mul_(1.5)
-    changed = weight.detach().clone()
-    with merged_lora(model, backup) as merged:
-        assert merged and not torch.equal(weight, changed)
-    # This merge (no stacked copies) backs up the q/k/v weights too, for the first time, and the changed one again.
-    assert torch.equal(weight, changed) and backup.host_refreshes == len(bases) + 1
-    with pytest.raises(ValueError, match="auto, device, host"):
-        BaseWeightBackup("gpu")
-    with pytest.raises(ValueError, match="recorded, compiler"):
-        FastGenerator(cuda_graph="trees")
-
-
-def test_auto_keeps_the_backup_on_the_host_only_for_gpu_weights_that_fit_in_host_memory(monkeypatch):
-    gpu, gib = torch.device("cuda"), 2**30
-    assert choose_backup(gib, torch.device("cpu"))[0] == "device"  # CPU weights: "host" would be a second RAM copy
-    assert choose_backup(gib, gpu)[0] == "host"
-    where, why = choose_backup(2**50, gpu)  # a petabyte of weights does not fit: the copy stays on the GPU
-    assert where == "device" and "GiB of host memory available" in why
-    fits_once = choose_backup(gib, gpu)[1].split("; ")[1]
-    available = float(fits_once.split()[0]) * gib
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # eight local ranks each pin their own copy
-    assert choose_backup(int(available / 8), gpu)[0] == "device"
-    assert choose_backup(int(available / 32), gpu)[0] == "host"
-    backup = BaseWeightBackup()  # "auto" by default, settled on the first merge
-    assert backup.where is None and backup.resolve([torch.zeros(4, 4)]) == "device"
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"do_sample": False, "min_new_tokens": 4},  # counted on the device (`token_loop.MinNewTokensOnDevice`)
+        {"do_sample": True, "temperature": 0.9, "top_p": 0.9, "top_k": 20, "min_p": 0.01, "min_new_tokens": 0},
+    ],
+    ids=["greedy", "seeded-sampling"],
+)
+def test_sampling_inside_the_step_gives_the_plain_paths_tokens(tiny_dir, tmp_path, settings):
+    # Processors that read only the scores are sampled inside the decode step (`engine.token_loop`: what a recorded
+    # CUDA graph replays on a GPU). A repetition penalty (`test_sampling_with_a_seed_...`) keeps sampling outside.
+    trainer = _trainer(tiny_dir, tmp_path, generations=4, lora_b=0.05, **settings)
+    batch = _batch(trainer, ROWS, 4)
+    torch.manual_seed(7)
+    plain = _plain(trainer, batch, 4)
+    torch.manual_seed(7)
+    fast = _fast(trainer, batch)
+    assert fast == plain
+    kept = trainer.fast_generator._kept_sampler
+    assert kept is not None and [type(p).__name__ for p in kept.processors]  # sampled inside: a sampler kept
+    assert trainer.fast_generator.stats["decode_steps"] > 1
+    if settings["do_sample"]:
+        assert len({tuple(c) for c in fast[:4]}) > 1  # really sampled: one prompt's completions differ
+    torch.manual_seed(7)
+    assert _fast(trainer, batch) == plain and trainer.fast_generator._kept_sampler is kept  # reused: same settings
 
 
 @pytest.mark.trains
@@ -241,18 +183,6 @@ def test_compiled_decode_matches_and_one_graph_serves_several_prompt_lengths(tin
         batch = _batch(trainer, [row], 2)
         assert _fast(trainer, batch) == _plain(trainer, batch, 2)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
-
-
-def test_a_lora_bias_is_not_merged_away(tiny_dir):
-    # Merging disables the adapters for the block; a LoRA bias would go with them, so such adapters generate unmerged.
-    model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
-    model = FastVisionModel.get_peft_model(model, r=4, lora_bias=True)
-    torch.manual_seed(0)
-    for name, param in model.named_parameters():
-        if "lora_B" in name:
-            param.data.normal_(0, 0.5)  # weights and biases: a trained-looking adapter
-    with merged_lora(model) as merged:
-        assert not merged
 
 
 # ----- clips (Qwen-VL): the same tokens as the plain path, clips' temporal positions included -----

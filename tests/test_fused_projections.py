@@ -74,7 +74,7 @@ def test_adapters_that_do_not_merge_as_a_delta_are_left_alone(tiny_dir):
 def test_an_adapter_peft_merged_itself_is_left_to_peft(tiny_dir):
     # After PEFT's `merge_adapter()` the delta is in the base weight and PEFT's forward owns that state: adding it
     # again (stacked copies) or toggling the layers' flags (merged_lora) would double it or unmerge mid-generation.
-    from vlm_grpo.engine.fast_generation import merged_lora
+    from vlm_grpo.engine.lora_merge import merged_lora
 
     model = _model(tiny_dir)
     sites = len(fusable_sites(model))

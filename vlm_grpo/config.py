@@ -13,7 +13,7 @@ import torch
 from trl import GRPOConfig
 
 from .compat import CHECKPOINTING_ARG
-from .engine.fast_generation import MERGE_BACKUPS
+from .engine.lora_merge import MERGE_BACKUPS
 from .engine.quantized_generation import QUANTIZED_MODES
 from .images import check_pixel_budget
 from .video_budget import DEFAULT_FPS, DEFAULT_MAX_FRAMES, check_frame_sampling

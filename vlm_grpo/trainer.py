@@ -392,6 +392,7 @@ class VLMGRPOTrainer(GRPOTrainer):
             return output
         finally:
             self._vision_rows = None
+            self.fast_generator.finish_restore()  # base weights whole for whatever reads them next
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Any:
         # TRL passes the model only the inputs it knows by name; a batch's clips travel under VISION_ROWS.
@@ -494,6 +495,9 @@ class VLMGRPOTrainer(GRPOTrainer):
                         multimodal_fields,
                         self.generation_config,
                         self._tokenizer.pad_token_id,
+                        # The base weights come back while TRL's scoring forward runs (`_score_rollouts` waits for
+                        # them after it); not where the weights are resharded on leaving these contexts.
+                        defer_restore=not (self.is_fsdp_enabled or self._is_zero3),
                     )
                     return completion_ids, None
                 except FastPathUnavailable as error:

@@ -24,10 +24,10 @@ def _rows():
     ]  # fmt: skip
 
 
-def test_recorded_decode_gives_the_compiler_graphs_tokens(tiny_dir, tmp_path):
+def _setup(tiny_dir, tmp_path, **generation_kwargs):
+    """A trainer on the tiny Qwen2.5-VL with a trained-looking adapter, on the GPU, and a batch of two prompts x 4."""
     from datasets import Dataset
     from trl.data_utils import prepare_multimodal_messages
-    from trl.trainer.grpo_trainer import GRPOTrainer
 
     from vlm_grpo import FastVisionModel, VLMGRPOConfig, VLMGRPOTrainer
     from vlm_grpo.rows import prepare_row
@@ -41,22 +41,32 @@ def test_recorded_decode_gives_the_compiler_graphs_tokens(tiny_dir, tmp_path):
     rows = _rows()
     config = VLMGRPOConfig(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=4, max_completion_length=12,
-        generation_kwargs={"do_sample": False, "min_new_tokens": 12}, report_to="none", max_steps=1,
+        generation_kwargs=generation_kwargs, report_to="none", max_steps=1,
     )  # fmt: skip
     rewards = [lambda prompts, completions, **kw: [0.0] * len(completions)]
     trainer = VLMGRPOTrainer(model, rewards, args=config, train_dataset=Dataset.from_list(rows),
                              processing_class=processor)  # fmt: skip
-    model = trainer.model
     prepared = [prepare_row(r) for r in rows for _ in range(4)]
     batch = trainer._tokenize_prompts([prepare_multimodal_messages(r["prompt"], images=r["images"]) for r in prepared])
-    generator, pad = trainer.fast_generator, trainer._tokenizer.pad_token_id
-    assert generator.compile is not False and next(model.parameters()).is_cuda
-    FastVisionModel.for_inference(model)
-    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    assert trainer.fast_generator.compile is not False and next(trainer.model.parameters()).is_cuda
+    FastVisionModel.for_inference(trainer.model)
 
-    def fast(mode):
-        generator.cuda_graph = mode
-        return generator.generate(model, *batch, trainer.generation_config, pad)
+    def fast(mode, sample_in_graph=True):
+        trainer.fast_generator.cuda_graph = mode
+        trainer.fast_generator.sample_in_graph = sample_in_graph
+        pad = trainer._tokenizer.pad_token_id
+        return trainer.fast_generator.generate(trainer.model, *batch, trainer.generation_config, pad)
+
+    return trainer, batch, fast
+
+
+def test_recorded_decode_gives_the_compiler_graphs_tokens(tiny_dir, tmp_path):
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    # min_new_tokens is counted on the device (engine.token_loop): the whole token, sampling included, is one replay.
+    trainer, batch, fast = _setup(tiny_dir, tmp_path, do_sample=False, min_new_tokens=12)
+    model, generator = trainer.model, trainer.fast_generator
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
 
     torch._dynamo.reset()
     plain = GRPOTrainer._generate_single_turn(trainer, *batch, 4)[0]
@@ -69,6 +79,9 @@ def test_recorded_decode_gives_the_compiler_graphs_tokens(tiny_dir, tmp_path):
     agree = sum(a == b for a, b in zip(recorded[0], plain))
     print(f"recorded rows equal to the plain path's: {agree}/{len(plain)}")
     assert generator.cuda_graph == "recorded" and generator._graphs.recorded == 1  # one recording, reused twice
+    assert generator.sample_in_graph and generator._kept_sampler is not None  # sampled inside the recording
+    assert fast("recorded", sample_in_graph=False) == compiler  # the forward recorded alone, sampled on the host
+    assert generator._graphs.recorded == 2
     # The merge and restore around each generation left the weights as they were, bit for bit.
     assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
 
@@ -78,4 +91,25 @@ def test_recorded_decode_gives_the_compiler_graphs_tokens(tiny_dir, tmp_path):
     base = layer.get_base_layer()
     base.weight.data = base.weight.data.clone()
     assert fast("recorded") == compiler
-    assert generator._graphs.recorded == 2
+    assert generator._graphs.recorded == 3
+
+
+def test_sampling_recorded_with_the_forward_gives_the_same_tokens(tiny_dir, tmp_path):
+    # Score-only processors (the suppressed image tokens, temperature, top-k/p): the whole token is one replay, and
+    # its draws are the host's.
+    trainer, _, fast = _setup(tiny_dir, tmp_path, do_sample=True, temperature=0.9, top_k=50, top_p=0.95)
+    generator = trainer.fast_generator
+    torch._dynamo.reset()
+    fast("recorded", sample_in_graph=False)  # compiled and recorded once before the compared runs
+    fast("recorded")
+    draws = {}
+    for inside in (False, True):
+        torch.manual_seed(11)
+        draws[inside] = [fast("recorded", sample_in_graph=inside) for _ in range(2)]
+    print(
+        f"seeded draws, sampled inside the recording vs outside: {sum(a == b for a, b in zip(draws[True][0], draws[False][0]))}/8 rows equal"
+    )
+    assert generator.sample_in_graph and generator._kept_sampler is not None
+    # The same random stream inside and outside a recording (CUDA graphs replay Philox with the generator's offsets).
+    assert draws[True] == draws[False]
+    assert draws[True][0] != draws[True][1] and len({tuple(c) for c in draws[True][0][:4]}) > 1  # really sampled

@@ -6,12 +6,12 @@ kept their addresses, and the copies of the other inputs, and the step ran as tw
 H100 (3B, 16 rows, under the profiler) the GPU was busy 4.0 ms of each 6.7 ms decode step and waited on the host for
 the rest; recorded by hand, the step is 4.2 ms of back-to-back kernels (`benchmarks/results/h100-decode-profile-modes/`).
 Here the model is compiled without graphs (Inductor's fused kernels), one decode step is recorded per (batch, cache)
-with `torch.cuda.graph`, and each later step copies its four small inputs into the recorded buffers and replays. The
-address checks run once per generation instead of once per token (`begin`): a parameter, buffer or cache tensor that
+with `torch.cuda.graph`, and each later step is one replay: the step reads and writes buffers that outlive the
+generation (`engine.token_loop`), so nothing is copied in. The address checks run once per generation instead of once per token (`begin`): a parameter, buffer or cache tensor that
 moved (re-allocated weights, a new cache), or a module replaced, drops the recordings.
 
-What a replay computes is what the compiled call computes (the same kernels on the same buffers; `tests/gpu`); sampling,
-the logits processors and the stopping rules stay outside, unchanged. Python-side state the forward changes is changed
+What a replay computes is what the step computes (the compiled forward's kernels, and with logits processors that read
+only the scores, the sampling's, on the same buffers; `tests/gpu`); the stopping check stays on the host. Python-side state the forward changes is changed
 only when recording: transformers' static cache keeps its length in a device tensor (advanced by the replay), and the
 sliding-window layers' Python counter only matters once the window is full, which the fast path refuses.
 """
@@ -36,22 +36,19 @@ class RecordingFailed(RuntimeError):
     CUDA graphs do not support); nothing was replayed, and the step can run unrecorded."""
 
 
-DecodeCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
-
-
 @dataclass
 class _Recording:
     graph: torch.cuda.CUDAGraph
-    inputs: tuple[torch.Tensor, ...]  # next tokens, positions, cache slot, mask: copied into before each replay
-    logits: torch.Tensor  # written by every replay
+    output: Any  # what the step returned when recorded (logits, or None): rewritten by every replay
 
 
 class DecodeGraphs:
-    """Recorded decode steps, one per (input shapes, cache), valid while the tensors they read stay where they are.
+    """Recorded decode steps, one per (step, cache), valid while the tensors they read stay where they are.
 
     Call `begin(model, cache)` once per generation (it drops the recordings whose weights or cache moved), then
-    `step(call, next_tokens, position, slot, mask, cache)` per token: the first step of a shape runs `call` as it is,
-    the second records it and replays, later steps only replay.
+    `step(call, key, cache)` per token: the first step of a key runs `call` as it is, the second records it and
+    replays, later steps only replay. `call` takes no arguments: it reads and writes tensors that outlive the
+    generation (`engine.token_loop.DecodeBuffers`, the cache), and `key` names them.
     At most `keep` recordings are kept (the training batch's and the evaluation batch's).
     """
 
@@ -86,26 +83,20 @@ class DecodeGraphs:
         self._cache_signatures.clear()
         self._model_signature = None
 
-    def step(
-        self,
-        call: DecodeCall,
-        next_tokens: torch.Tensor,
-        position: torch.Tensor,
-        slot: torch.Tensor,
-        mask: torch.Tensor,
-        cache: Any,
-    ) -> torch.Tensor:
-        """`call(next_tokens, position, slot, mask, cache)` (float32 logits [B, V]), replayed from a recording.
+    def step(self, call: Callable[[], Any], key: tuple, cache: Any, device: torch.device) -> Any:
+        """`call()`, replayed from a recording: what it returns (logits, or None for a step that writes its results
+        into buffers).
 
-        The first step of a shape runs `call` unrecorded, on a side stream as `torch.cuda.graph` asks (it compiles,
-        and cuBLAS and the allocator set up outside any recording); the second records it and replays. Both are real
-        steps: a step is never run twice, because a step is not idempotent (the cache advances its own length).
-        The returned logits of a replay live in the recording's buffer: the next `step` overwrites them (after the
-        work queued before it, so reading them on the same stream before the next step is safe). Runs on the inputs'
-        device (the model's: one device, `FastGenerator` records nothing else)."""
-        inputs = (next_tokens, position, slot, mask)
-        key = (id(cache), *((tuple(t.shape), t.dtype) for t in inputs))
-        with torch.cuda.device(next_tokens.device):
+        `key` names the step and every tensor it reads other than the model's and the cache's (a recording is kept
+        per `(id(cache), *key)`). The first step of a key runs `call` unrecorded, on a side stream as
+        `torch.cuda.graph` asks (it compiles, and cuBLAS and the allocator set up outside any recording); the second
+        records it and replays. Both are real steps: a step is never run twice, because a step is not idempotent (the
+        cache advances its own length, the buffers their positions). A returned tensor of a replay lives in the
+        recording's memory: the next `step` overwrites it (after the work queued before it, so reading it on the same
+        stream before the next step is safe). Runs on `device` (the model's: one device, `FastGenerator` records
+        nothing else)."""
+        key = (id(cache), *key)
+        with torch.cuda.device(device):
             recording = self.recordings.get(key)
             if recording is None and key not in self._warm:
                 self._warm.add(key)
@@ -114,34 +105,31 @@ class DecodeGraphs:
                     self._side = torch.cuda.Stream()
                 self._side.wait_stream(current)
                 with torch.cuda.stream(self._side):
-                    logits = call(*inputs, cache)
+                    output = call()
                 current.wait_stream(self._side)
-                logits.record_stream(current)
-                return logits
+                if isinstance(output, torch.Tensor):
+                    output.record_stream(current)
+                return output
             if recording is None:
-                recording = self._record(call, inputs, cache)
+                recording = self._record(call)
                 for old in list(self.recordings)[: max(0, len(self.recordings) - self.keep + 1)]:
                     del self.recordings[old]
                 self.recordings[key] = recording
-            else:
-                for static, value in zip(recording.inputs, inputs):
-                    static.copy_(value)
             recording.graph.replay()
-            return recording.logits
+            return recording.output
 
-    def _record(self, call: DecodeCall, inputs: tuple[torch.Tensor, ...], cache: Any) -> _Recording:
+    def _record(self, call: Callable[[], Any]) -> _Recording:
         """Record one step (recording runs nothing: the replay that follows is the step)."""
-        static = tuple(t.clone() for t in inputs)
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: another thread's allocation (a DataLoader's pin-memory thread) may go on while recording,
             # as torch.compile's own CUDA graphs allow.
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                logits = call(*static, cache)
+                output = call()
         except RuntimeError as error:
             raise RecordingFailed(f"the decode step could not be recorded as a CUDA graph ({error})") from error
         self.recorded += 1
-        return _Recording(graph, static, logits)
+        return _Recording(graph, output)
 
 
 def _model_signature(model: nn.Module) -> tuple[int, ...]:

@@ -14,7 +14,8 @@ min_new_tokens) and its position rules, and changes four things:
    one GEMM over stacked merged weights (`engine.fused_projections`), and grouped-query attention reads the cache
    in place (`engine.decode_attention`).
 3. Optionally, LoRA is merged into the base weights while generating (one matmul per projection instead
-   of three) and the original weights are copied back afterwards, bit for bit.
+   of three) and the original weights are copied back afterwards, bit for bit (`engine.lora_merge`; the copies
+   can overlap the trainer's next forward).
 4. bitsandbytes 4-bit / 8-bit layers, which cannot be compiled, are replaced for the call by plain stand-ins
    (`vlm_grpo.engine.quantized_generation`), so QLoRA models take this path too.
 
@@ -26,8 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,14 +49,15 @@ from ..videos import Clip
 from .batch_layout import ImageLayout, LayoutUnknown, as_tensors, group_rows, select_rows
 from .decode_attention import decode_attention
 from .decode_graph import DecodeGraphs, RecordingFailed
-from .fused_projections import FusedQKV, merges_as_a_delta
+from .fused_projections import FusedQKV
+from .lora_merge import MERGE_BACKUPS, BaseWeightBackup, merged_lora
 from .quantized_generation import (
     QuantizedGenerationUnsupported,
     QuantizedLayers,
     describe,
     has_quantized_layers,
-    is_quantized_linear,
 )
+from .token_loop import DecodeBuffers, Sampler, on_device, samples_in_graph
 
 __all__ = [
     "CUDA_GRAPHS",
@@ -99,154 +100,7 @@ def group_prompts(
     return [group[0] for group in groups], inverse
 
 
-MERGE_BACKUPS = ("auto", "device", "host")
 CUDA_GRAPHS = ("recorded", "compiler")  # FastGenerator.cuda_graph
-# "auto" keeps the backup in host memory when all local processes' copies take at most this share of the host's
-# available memory.
-HOST_SHARE = 0.5
-
-
-def choose_backup(needed_bytes: int, device: torch.device) -> tuple[str, str]:
-    """`("device" | "host", why)`: where "auto" keeps the base weights while LoRA is merged into them.
-
-    Host memory when the weights are on a GPU and every local process's copy fits in `HOST_SHARE` of the host's
-    available memory (the same speed in `benchmarks/grpo_step.py`, one copy of the adapted weights less on the GPU);
-    otherwise on the device.
-    """
-    if device.type != "cuda":
-        return "device", "the weights are not on a GPU"
-    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    available = _host_available_bytes()
-    gib = 2**30
-    why = (f"{processes} x {needed_bytes / gib:.1f} GiB of base weights; {available / gib:.1f} GiB of host memory "
-           "available")  # fmt: skip
-    return ("host" if processes * needed_bytes <= HOST_SHARE * available else "device"), why
-
-
-def _host_available_bytes() -> int:
-    """The host memory available to new allocations (Linux's MemAvailable; free pages elsewhere)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-class BaseWeightBackup:
-    """Copies of the base weights LoRA is merged into, so `merged_lora` can restore them bit for bit.
-
-    `where="device"`: a fresh copy beside each weight for every merge (one extra copy of the adapted weights in GPU
-    memory while generating). `where="host"`: one copy in pinned CPU memory, kept across generations and refreshed
-    only when a weight changed since it was restored (its in-place version counter moved, or its storage was
-    replaced): LoRA's base weights are frozen, so after the first generation the cost is one host-to-device copy per
-    generation and no GPU memory. `where="auto"`: `choose_backup` decides on the first merge (logged).
-    """
-
-    def __init__(self, where: str = "auto") -> None:
-        if where not in MERGE_BACKUPS:
-            raise ValueError(f"merge backup must be one of {', '.join(MERGE_BACKUPS)}, got {where!r}")
-        self.setting = where
-        self.where = None if where == "auto" else where
-        self._host: dict[int, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
-        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.host_refreshes = 0  # weights copied to the host (the first generation, then only changed ones)
-
-    def resolve(self, weights: Sequence[torch.Tensor]) -> str:
-        """Settle "auto" for these weights (once; later calls keep the choice) and return where they are kept."""
-        if self.where is None:
-            needed = sum(w.numel() * w.element_size() for w in weights)
-            self.where, why = choose_backup(needed, weights[0].device)
-            logger.info("LoRA merged for generation: base weights kept on the %s (%s). Set "
-                        "fast_generation_merge_backup to force one.", self.where, why)  # fmt: skip
-        return self.where
-
-    def save(self, weight: torch.Tensor) -> None:
-        """Remember `weight` as it is now (call before merging into it)."""
-        if self.where == "device":
-            self._saved.append((weight, weight.detach().clone()))
-            return
-        entry = self._host.get(id(weight))
-        if entry is None or entry[0] is not weight or entry[2] != weight._version or entry[3] != weight.data_ptr():
-            pin = weight.device.type == "cuda"
-            copy = torch.empty(weight.shape, dtype=weight.dtype, device="cpu", pin_memory=pin)
-            copy.copy_(weight.detach())
-            entry = (weight, copy, weight._version, weight.data_ptr())
-            self.host_refreshes += 1
-        self._host[id(weight)] = entry
-        self._saved.append((weight, entry[1]))
-
-    def restore(self) -> None:
-        """Copy every saved weight back, and note its version so an untouched weight keeps its host copy.
-
-        The copies are queued on the current stream and the host does not wait for them: the next kernel that reads
-        a weight runs after its copy, and a host copy is only rewritten (`save`) by a copy queued behind them, so the
-        CPU goes on to decode the completions and score the rewards while the weights come back.
-        """
-        for weight, original in self._saved:
-            weight.copy_(original, non_blocking=True)
-            if self.where == "host":
-                self._host[id(weight)] = (weight, original, weight._version, weight.data_ptr())
-        self._saved = []
-
-
-@contextlib.contextmanager
-def merged_lora(
-    model: nn.Module, backup: BaseWeightBackup | None = None, elsewhere: set[int] = frozenset()
-) -> Iterator[bool]:
-    """Merge the active LoRA adapters into the base weights for the duration of the block.
-
-    Yields True when merged (the adapters are disabled inside the block, the merged weights do their work),
-    False when the model cannot be merged exactly (DoRA, a non-linear base, no 16-bit LoRA), in which case nothing
-    changes. The base weights are saved before merging (`backup`: on the device by default, or in host memory) and
-    copied back after, so they come back bit-identical (a bf16 merge followed by an unmerge would round).
-    Layers whose `id` is in `elsewhere` are left as they are: their merged weights are kept elsewhere
-    (`engine.fused_projections`), and the layers themselves are swapped out while generating.
-    """
-    # Quantised (bitsandbytes) bases are left out: `vlm_grpo.engine.quantized_generation` swaps them for plain layers with
-    # their adapters applied while generating, so disabling their adapters here changes nothing.
-    layers = [
-        m
-        for m in model.modules()
-        if hasattr(m, "lora_A") and hasattr(m, "get_base_layer") and not is_quantized_linear(m.get_base_layer())
-    ]
-    if (
-        not layers
-        or not hasattr(model, "disable_adapter")
-        or not all(merges_as_a_delta(layer) for layer in layers)
-        or any(layer.merged for layer in layers)  # PEFT merged an adapter itself (`merge_adapter`): its state, not ours
-    ):
-        yield False
-        return
-    backup = backup if backup is not None else BaseWeightBackup("device")
-    merges = []
-    for layer in layers:
-        active = [name for name in layer.active_adapters if name in layer.lora_A]
-        if active and not layer.disable_adapters and id(layer) not in elsewhere:
-            merges.append((layer, layer.get_base_layer().weight, active))
-    if merges:
-        backup.resolve([weight for _, weight, _ in merges])
-    with torch.no_grad():
-        for layer, weight, active in merges:
-            backup.save(weight)
-            for name in active:  # W += scaling * (B @ A): PEFT's delta for a Linear base, in one kernel
-                lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
-                weight.addmm_(lora_b.to(weight.dtype), lora_a.to(weight.dtype), alpha=layer.scaling[name])
-    # The merged layers' adapters are off inside the block, each layer's own flag set and put back. PEFT's
-    # `disable_adapter()` would walk the whole model twice and reset every adapter's requires_grad (unfreezing any
-    # the user froze): ~90 ms a call for a 3B VLM's 414 LoRA layers, most of the merge's cost.
-    merged_layers = [layer for layer, _, _ in merges]
-    try:
-        for layer in merged_layers:
-            layer._disable_adapters = True
-        yield True
-    finally:
-        for layer in merged_layers:
-            layer._disable_adapters = False
-        with torch.no_grad():
-            backup.restore()
 
 
 def _text_config(model: nn.Module) -> Any:
@@ -274,6 +128,11 @@ class FastGenerator:
             reduce-overhead mode, which runs its guards and address checks at every token).
         fused_qkv: with `merge_lora`, each decoder attention layer's q, k and v projections run as one GEMM over a
             stacked copy of their merged weights (`engine.fused_projections`).
+        sample_in_graph: with recorded CUDA graphs and logits processors that read only the scores (temperature,
+            top-k/p, min-p, suppressed tokens), record the sampling with the forward (`engine.token_loop`): one launch
+            per token and no host work between tokens.
+        overlap_restore: when the caller allows it (`generate(defer_restore=True)`), copy the base weights back
+            from the host while the next forward runs rather than before it.
     """
 
     compile: bool | None = None
@@ -284,6 +143,8 @@ class FastGenerator:
     cache_bucket: int = 256
     cuda_graph: str = "recorded"
     fused_qkv: bool = True
+    sample_in_graph: bool = True
+    overlap_restore: bool = True
     stats: dict[str, int] = field(default_factory=lambda: {"calls": 0, "rows": 0, "prefill_rows": 0, "decode_steps": 0})
     _caches: dict[tuple[int, int], Any] = field(default_factory=dict, repr=False)
     _compiled_call: Any = field(default=None, repr=False)
@@ -293,6 +154,8 @@ class FastGenerator:
     _quantized_model: int | None = field(default=None, repr=False)
     _backup: BaseWeightBackup | None = field(default=None, repr=False)
     _fused: FusedQKV | None = field(default=None, repr=False)
+    _buffers: dict[tuple[int, int], DecodeBuffers] = field(default_factory=dict, repr=False)
+    _kept_sampler: Sampler | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.cuda_graph not in CUDA_GRAPHS:
@@ -303,6 +166,12 @@ class FastGenerator:
         if self._backup is None or self._backup.setting != self.merge_backup:
             self._backup = BaseWeightBackup(self.merge_backup)
         return self._backup
+
+    def finish_restore(self) -> None:
+        """Make the current stream wait for base weights still being copied back (`generate(defer_restore=True)`):
+        afterwards any reader sees them whole."""
+        if self._backup is not None:
+            self._backup.wait()
 
     def unsupported_reason(self, model: nn.Module) -> str | None:
         """Why this model cannot use the fast path (None when it can)."""
@@ -354,12 +223,15 @@ class FastGenerator:
         multimodal_fields: dict[str, Any],
         generation_config: Any,
         pad_token_id: int,
+        defer_restore: bool = False,
     ) -> list[list[int]]:
         """Complete every prompt; returns each row's completion ids up to and including its first EOS.
 
         `prompt_ids`, `images` and `multimodal_fields` are what TRL's `_tokenize_prompts` returns (for a batch with
         clips, the trainer's: each row's images and clips in `images`); `generation_config` is the trainer's (TRL's
-        sampling settings).
+        sampling settings). `defer_restore` (with `overlap_restore`): the base weights merged into come back from the
+        host while the model's next forward runs (`engine.lora_merge.DeferredRestore`); the caller keeps the weights
+        where they are and calls `finish_restore()` before anything but a forward reads them.
         """
         base = core_model(model)
         device = next(base.parameters()).device
@@ -376,7 +248,12 @@ class FastGenerator:
             swapped = quantized.swapped() if quantized is not None else contextlib.nullcontext()
             fused = self.fused_projections(model)
             elsewhere = fused.covers() if fused is not None else frozenset()
-            merged = merged_lora(model, self.backup(), elsewhere) if self.merge_lora else contextlib.nullcontext(False)
+            defer = defer_restore and self.overlap_restore
+            merged = (
+                merged_lora(model, self.backup(), elsewhere, defer_restore=defer)
+                if self.merge_lora
+                else contextlib.nullcontext(False)
+            )
             with swapped, merged:  # stand-ins first: they read the adapters before `merged_lora` disables them
                 if fused is not None:
                     fused.fill()
@@ -448,40 +325,34 @@ class FastGenerator:
                 cache.update(layer.keys.index_select(0, index), layer.values.index_select(0, index), layer_index)
             del prefill_cache
 
-        full_mask = torch.zeros((batch, cache_len), dtype=torch.long, device=device)
-        full_mask[:, :width] = attention_mask.index_select(0, index)
-        tokens = torch.full((batch, width + max_new), pad_id, dtype=torch.long, device=device)
-        tokens[:, :width] = input_ids.index_select(0, index)
+        # Every tensor the loop reads or writes lives in buffers that outlive the generation (`engine.token_loop`),
+        # so a recorded step replays on the same addresses with nothing copied in.
         position = positions.index_select(-2, index)[..., -1:]  # last prompt position of every row
-        processors = logits_processors(model, config, tokens[:, :width], device, model_kwargs)
-        forward = self._decode_fn(model, cache)
-        slot = torch.tensor([width - 1], device=device)  # the cache slot the next token is written to, minus one
+        buffers = self._decode_buffers(batch, cache_len, tuple(position.shape), device)
+        buffers.start(input_ids.index_select(0, index), attention_mask.index_select(0, index), position, pad_id)
+        processors = on_device(logits_processors(model, config, buffers.tokens[:, :width], device, model_kwargs), width)
+        sampler = self._sampler(Sampler(processors, bool(config.do_sample), eos, pad_id))
+        step = self._decode_fn(model, cache, buffers, sampler)
 
-        logits = out.logits[:, -1].to(dtype=torch.float32).index_select(0, index)
-        unfinished = torch.ones(batch, dtype=torch.bool, device=device)
-        steps = 0
+        with record_function("fast_generation.sample"):
+            sampler.sample(
+                buffers, out.logits[:, -1].to(dtype=torch.float32).index_select(0, index), buffers.tokens[:, :width]
+            )
+        steps = 1
         # Grouped-query heads attend to the cache as it is (`engine.decode_attention`), not to a per-head copy.
         with decode_attention(model) if self.grouped_attention else contextlib.nullcontext():
-            for step in range(max_new):
-                with record_function("fast_generation.sample"):
-                    scores = processors(tokens[:, : width + step], logits)
-                    if config.do_sample:
-                        next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-                    else:
-                        next_tokens = scores.argmax(dim=-1)
-                    next_tokens = torch.where(unfinished, next_tokens, pad_id)
-                    tokens[:, width + step] = next_tokens
-                    unfinished &= ~torch.isin(next_tokens, eos)
-                steps = step + 1
-                if step + 1 == max_new or (step % 8 == 7 and not bool(unfinished.any())):
+            for index_of_token in range(1, max_new):
+                if index_of_token % 8 == 0 and not bool(buffers.unfinished.any()):  # one host sync per 8 tokens
                     break
-                full_mask[:, width + step] = 1
-                position = position + 1
-                slot = slot + 1  # stays on the device: no host-to-device copy per step
                 with record_function("fast_generation.forward"):
-                    logits = forward(next_tokens[:, None], position, slot, full_mask, cache)
+                    logits = step()
+                if logits is not None:  # sampling outside the recorded step (processors that read the ids)
+                    with record_function("fast_generation.sample"):
+                        sampler.sample(buffers, logits, buffers.tokens[:, : width + index_of_token])
+                steps = index_of_token + 1
         self.stats["decode_steps"] += steps
 
+        tokens = buffers.tokens
         completions = tokens[:, width : width + steps]
         is_eos = torch.isin(completions, eos)
         first = torch.where(is_eos.any(1), is_eos.int().argmax(1), completions.shape[1])
@@ -501,14 +372,37 @@ class FastGenerator:
             cache.reset()
         return cache
 
-    def _decode_fn(self, model: nn.Module, cache: Any):
-        """One decode step: `(tokens [B,1], positions, cache slot [1], mask [B, cache_len], cache) -> logits [B, V]`
-        (float32; with recorded CUDA graphs, a buffer the next step overwrites)."""
+    def _decode_buffers(self, batch: int, cache_len: int, position_shape: tuple[int, ...], device: torch.device):
+        """The loop's buffers for this shape, reused across calls (kept for two shapes, like the caches)."""
+        buffers = self._buffers.get((batch, cache_len))
+        if buffers is None or not buffers.fits(batch, cache_len, position_shape, device):
+            for old in list(self._buffers)[:-1]:
+                del self._buffers[old]
+            buffers = self._buffers[(batch, cache_len)] = DecodeBuffers.allocate(
+                batch, cache_len, position_shape, device
+            )
+        return buffers
+
+    def _sampler(self, sampler: Sampler) -> Sampler:
+        """`sampler`, or the one kept from an earlier generation if it samples alike: a recorded step reads the
+        sampler's tensors (suppressed tokens, EOS ids), so recordings survive only while it is the same object."""
+        if not samples_in_graph(sampler.processors):
+            return sampler
+        if self._kept_sampler is None or self._kept_sampler.key != sampler.key:
+            self._kept_sampler = sampler
+        return self._kept_sampler
+
+    def _decode_fn(self, model: nn.Module, cache: Any, buffers: DecodeBuffers, sampler: Sampler):
+        """One decode step: `() -> logits [B, V] | None`. It moves `buffers` to the token sampled last and runs the
+        forward; with `sample_in_graph` and processors that read only the scores, it samples too (into `buffers`) and
+        returns None; otherwise it returns the float32 logits (with recorded CUDA graphs, a buffer the next step
+        overwrites) for the caller to sample from."""
         cache_name = cache_kwarg(model)  # `cache` (transformers >= 5.2x) or `past_key_values`
         compiled = self._compile_on(model)
         # Recorded on one GPU only: a model split over several (device_map) has kernels a recording would not see.
         devices = {p.device for p in model.parameters()}
-        recorded = compiled and self.cuda_graph == "recorded" and len(devices) == 1 and devices.pop().type == "cuda"
+        device = next(iter(devices))
+        recorded = compiled and self.cuda_graph == "recorded" and len(devices) == 1 and device.type == "cuda"
         call = model.__call__
         if compiled:
             # One compiled callable per model; torch.compile keeps one graph per (batch, cache length). Recorded
@@ -517,27 +411,43 @@ class FastGenerator:
             if self._compiled_call is None or self._compiled_mode != mode:
                 self._compiled_call, self._compiled_mode = torch.compile(model.__call__, mode=mode, dynamic=False), mode
             call = self._compiled_call
+        can_sample_inside = samples_in_graph(sampler.processors)
 
-        def forward(next_tokens, position, slot, mask, cache):
-            out = call(input_ids=next_tokens, position_ids=position, attention_mask=mask, cache_position=slot,
-                       use_cache=True, logits_to_keep=1, **{cache_name: cache})  # fmt: skip
+        def token(sample: bool) -> torch.Tensor | None:
+            buffers.advance()
+            out = call(input_ids=buffers.next_tokens[:, None], position_ids=buffers.position,
+                       attention_mask=buffers.mask, cache_position=buffers.slot, use_cache=True, logits_to_keep=1,
+                       **{cache_name: cache})  # fmt: skip
             # Copy: a CUDA graph overwrites its outputs on the next replay.
-            return out.logits[:, -1].to(dtype=torch.float32, copy=True)
+            logits = out.logits[:, -1].to(dtype=torch.float32, copy=True)
+            if not sample:
+                return logits
+            sampler.sample(buffers, logits, buffers.tokens)  # only processors that ignore the ids get here
+            return None
 
         if recorded:
             self._graphs.begin(model, cache)
 
-        def step(next_tokens, position, slot, mask, cache):
+        def step() -> torch.Tensor | None:
+            # Sampled inside the step whether or not it is recorded, so the CPU tests run the recorded step's code.
+            sample = self.sample_in_graph and can_sample_inside
             if recorded and self.cuda_graph == "recorded":
+                key = (id(buffers), id(sampler) if sample else None)
                 try:
-                    return self._graphs.step(forward, next_tokens, position, slot, mask, cache)
-                except RecordingFailed as error:  # this step runs compiled without a graph, later calls on the trees
+                    return self._graphs.step(lambda: token(sample), key, cache, device)
+                except RecordingFailed as error:  # recording runs nothing: this step runs unrecorded
+                    if sample:  # record the forward alone from the next step on, sampling on the host
+                        logger.warning("%s; sampling outside the recorded step instead (sample_in_graph=False).",
+                                       error)  # fmt: skip
+                        self.sample_in_graph = False
+                        return token(False)
                     logger.warning("%s; decoding with torch.compile's CUDA graphs instead (cuda_graph='compiler').",
                                    error)  # fmt: skip
                     self.cuda_graph = "compiler"
                     self._graphs.clear()
-            elif compiled:
+                    return token(False)
+            if compiled:
                 torch.compiler.cudagraph_mark_step_begin()
-            return forward(next_tokens, position, slot, mask, cache)
+            return token(sample)
 
         return step

@@ -1,0 +1,242 @@
+"""LoRA merged into the base weights while generating, and the base weights restored bit for bit afterwards.
+
+A merged projection is one GEMM per token instead of three (the base weight, then LoRA's A and B). The merge adds
+`scaling * B @ A` to each base weight in place; a bf16 unmerge would round, so the base weights are saved first
+(`BaseWeightBackup`: pinned host memory, made once and kept while the frozen weights are unchanged, or a GPU copy)
+and copied back after the block. From the host the copy-back is bounded by the host-to-device link (~45 GB/s on an
+H100: ~0.1 s for a 3B model's adapted weights, ~0.3 s for a 7B's), so it can be deferred to overlap the next forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .fused_projections import merges_as_a_delta
+from .quantized_generation import is_quantized_linear
+
+__all__ = ["HOST_SHARE", "MERGE_BACKUPS", "BaseWeightBackup", "DeferredRestore", "choose_backup", "merged_lora"]
+
+logger = logging.getLogger(__name__)
+
+
+MERGE_BACKUPS = ("auto", "device", "host")
+# "auto" keeps the backup in host memory when all local processes' copies take at most this share of the host's
+# available memory.
+HOST_SHARE = 0.5
+
+
+def choose_backup(needed_bytes: int, device: torch.device) -> tuple[str, str]:
+    """`("device" | "host", why)`: where "auto" keeps the base weights while LoRA is merged into them.
+
+    Host memory when the weights are on a GPU and every local process's copy fits in `HOST_SHARE` of the host's
+    available memory (the same speed in `benchmarks/grpo_step.py`, one copy of the adapted weights less on the GPU);
+    otherwise on the device.
+    """
+    if device.type != "cuda":
+        return "device", "the weights are not on a GPU"
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    available = _host_available_bytes()
+    gib = 2**30
+    why = (f"{processes} x {needed_bytes / gib:.1f} GiB of base weights; {available / gib:.1f} GiB of host memory "
+           "available")  # fmt: skip
+    return ("host" if processes * needed_bytes <= HOST_SHARE * available else "device"), why
+
+
+def _host_available_bytes() -> int:
+    """The host memory available to new allocations (Linux's MemAvailable; free pages elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class BaseWeightBackup:
+    """Copies of the base weights LoRA is merged into, so `merged_lora` can restore them bit for bit.
+
+    `where="device"`: a fresh copy beside each weight for every merge (one extra copy of the adapted weights in GPU
+    memory while generating). `where="host"`: one copy in pinned CPU memory, kept across generations and refreshed
+    only when a weight changed since it was restored (its in-place version counter moved, or its storage was
+    replaced): LoRA's base weights are frozen, so after the first generation the cost is one host-to-device copy per
+    generation and no GPU memory. `where="auto"`: `choose_backup` decides on the first merge (logged).
+    """
+
+    def __init__(self, where: str = "auto") -> None:
+        if where not in MERGE_BACKUPS:
+            raise ValueError(f"merge backup must be one of {', '.join(MERGE_BACKUPS)}, got {where!r}")
+        self.setting = where
+        self.where = None if where == "auto" else where
+        self._host: dict[int, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
+        self._saved: list[tuple[torch.Tensor, torch.Tensor, nn.Module | None]] = []
+        self._pending: DeferredRestore | None = None
+        self._stream: torch.cuda.Stream | None = None  # the deferred copies' stream (one, reused)
+        self.host_refreshes = 0  # weights copied to the host (the first generation, then only changed ones)
+
+    def resolve(self, weights: Sequence[torch.Tensor]) -> str:
+        """Settle "auto" for these weights (once; later calls keep the choice) and return where they are kept."""
+        if self.where is None:
+            needed = sum(w.numel() * w.element_size() for w in weights)
+            self.where, why = choose_backup(needed, weights[0].device)
+            logger.info("LoRA merged for generation: base weights kept on the %s (%s). Set "
+                        "fast_generation_merge_backup to force one.", self.where, why)  # fmt: skip
+        return self.where
+
+    def save(self, weight: torch.Tensor, reader: nn.Module | None = None) -> None:
+        """Remember `weight` as it is now (call before merging into it). `reader`: the module whose forward reads it
+        (what a deferred restore makes wait for its copy)."""
+        if self.where == "device":
+            self._saved.append((weight, weight.detach().clone(), reader))
+            return
+        entry = self._host.get(id(weight))
+        if entry is None or entry[0] is not weight or entry[2] != weight._version or entry[3] != weight.data_ptr():
+            pin = weight.device.type == "cuda"
+            copy = torch.empty(weight.shape, dtype=weight.dtype, device="cpu", pin_memory=pin)
+            copy.copy_(weight.detach())
+            entry = (weight, copy, weight._version, weight.data_ptr())
+            self.host_refreshes += 1
+        self._host[id(weight)] = entry
+        self._saved.append((weight, entry[1], reader))
+
+    def restore(self, defer: bool = False) -> None:
+        """Copy every saved weight back, and note its version so an untouched weight keeps its host copy.
+
+        The copies are queued on the current stream and the host does not wait for them: the next kernel that reads
+        a weight runs after its copy, and a host copy is only rewritten (`save`) by a copy queued behind them, so the
+        CPU goes on to decode the completions and score the rewards while the weights come back.
+        `defer` (host copies of CUDA weights, each saved with its reader): the copies go on a side stream instead, and
+        the current stream waits for a weight's copy only when its reader's forward starts (`DeferredRestore`), so the
+        host-to-device copies (~0.1 s for a 3B model's adapted weights, ~0.3 s for a 7B's) overlap the next forward
+        (TRL's scoring) instead of preceding it. The caller must call `wait` before anything else reads the weights.
+        """
+        self.wait()
+        saved, self._saved = self._saved, []
+        deferrable = saved and self.where == "host" and saved[0][0].is_cuda and all(r is not None for *_, r in saved)
+        if defer and deferrable:
+            device = saved[0][0].device
+            if self._stream is None or self._stream.device != device:
+                self._stream = torch.cuda.Stream(device)
+            self._pending = DeferredRestore(saved, self._stream)
+        else:
+            for weight, original, _ in saved:
+                weight.copy_(original, non_blocking=True)
+        if self.where == "host":
+            for weight, original, _ in saved:
+                self._host[id(weight)] = (weight, original, weight._version, weight.data_ptr())
+
+    def wait(self) -> None:
+        """Make the current stream wait for every deferred copy (`restore(defer=True)`): after this, any kernel
+        queued reads the base weights whole. Does nothing when no copy is deferred."""
+        if self._pending is not None:
+            self._pending.finish()
+            self._pending = None
+
+
+class DeferredRestore:
+    """Base weights being copied back on a side stream, each reader module waiting for its own weight's copy.
+
+    Every copy is followed by an event; a one-shot forward pre-hook on the module that reads the weight makes the
+    stream running that forward wait for the event, then removes itself. The copies run in the model's module order,
+    the order a forward reads them, so a forward starts as soon as its first layers are back. `finish` waits for all
+    of them and removes the hooks left (readers that have not run).
+    """
+
+    def __init__(self, saved: Sequence[tuple[torch.Tensor, torch.Tensor, nn.Module]], stream: torch.cuda.Stream):
+        self._hooks = []
+        self._device = stream.device
+        stream.wait_stream(torch.cuda.current_stream(self._device))  # after the generation's last read
+        with torch.cuda.stream(stream):
+            for weight, original, reader in saved:
+                weight.copy_(original, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+                self._hooks.append(reader.register_forward_pre_hook(self._waiter(event, len(self._hooks))))
+        self._last = event
+
+    def _waiter(self, event: torch.cuda.Event, index: int):
+        def wait_for_the_copy(module: nn.Module, args: Any) -> None:
+            torch.cuda.current_stream(self._device).wait_event(event)
+            self._hooks[index].remove()
+
+        return wait_for_the_copy
+
+    def finish(self) -> None:
+        """Make the current stream wait for every copy, and remove the hooks left."""
+        torch.cuda.current_stream(self._device).wait_event(self._last)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+@contextlib.contextmanager
+def merged_lora(
+    model: nn.Module,
+    backup: BaseWeightBackup | None = None,
+    elsewhere: set[int] = frozenset(),
+    defer_restore: bool = False,
+) -> Iterator[bool]:
+    """Merge the active LoRA adapters into the base weights for the duration of the block.
+
+    Yields True when merged (the adapters are disabled inside the block, the merged weights do their work),
+    False when the model cannot be merged exactly (DoRA, a non-linear base, no 16-bit LoRA), in which case nothing
+    changes. The base weights are saved before merging (`backup`: on the device by default, or in host memory) and
+    copied back after, so they come back bit-identical (a bf16 merge followed by an unmerge would round).
+    Layers whose `id` is in `elsewhere` are left as they are: their merged weights are kept elsewhere
+    (`engine.fused_projections`), and the layers themselves are swapped out while generating.
+    `defer_restore`: a host backup's copies overlap the model's next forward (`BaseWeightBackup.restore`); the caller
+    calls `backup.wait()` before the weights are read any other way. A block that raises restores at once.
+    """
+    # Quantised (bitsandbytes) bases are left out: `vlm_grpo.engine.quantized_generation` swaps them for plain layers with
+    # their adapters applied while generating, so disabling their adapters here changes nothing.
+    layers = [
+        m
+        for m in model.modules()
+        if hasattr(m, "lora_A") and hasattr(m, "get_base_layer") and not is_quantized_linear(m.get_base_layer())
+    ]
+    if (
+        not layers
+        or not hasattr(model, "disable_adapter")
+        or not all(merges_as_a_delta(layer) for layer in layers)
+        or any(layer.merged for layer in layers)  # PEFT merged an adapter itself (`merge_adapter`): its state, not ours
+    ):
+        yield False
+        return
+    backup = backup if backup is not None else BaseWeightBackup("device")
+    backup.wait()  # a restore deferred by the last block is complete before these weights are saved and merged
+    merges = []
+    for layer in layers:
+        active = [name for name in layer.active_adapters if name in layer.lora_A]
+        if active and not layer.disable_adapters and id(layer) not in elsewhere:
+            merges.append((layer, layer.get_base_layer().weight, active))
+    if merges:
+        backup.resolve([weight for _, weight, _ in merges])
+    with torch.no_grad():
+        for layer, weight, active in merges:
+            backup.save(weight, layer.get_base_layer())
+            for name in active:  # W += scaling * (B @ A): PEFT's delta for a Linear base, in one kernel
+                lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
+                weight.addmm_(lora_b.to(weight.dtype), lora_a.to(weight.dtype), alpha=layer.scaling[name])
+    # The merged layers' adapters are off inside the block, each layer's own flag set and put back. PEFT's
+    # `disable_adapter()` would walk the whole model twice and reset every adapter's requires_grad (unfreezing any
+    # the user froze): ~90 ms a call for a 3B VLM's 414 LoRA layers, most of the merge's cost.
+    merged_layers = [layer for layer, _, _ in merges]
+    completed = False
+    try:
+        for layer in merged_layers:
+            layer._disable_adapters = True
+        yield True
+        completed = True
+    finally:
+        for layer in merged_layers:
+            layer._disable_adapters = False
+        with torch.no_grad():
+            backup.restore(defer=defer_restore and completed)
