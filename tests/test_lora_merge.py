@@ -132,3 +132,21 @@ def test_a_restore_is_deferred_only_for_gpu_weights_and_never_after_an_error(tin
     with pytest.raises(RuntimeError, match="generation failed"), merged_lora(model, backup, defer_restore=True):
         raise RuntimeError("generation failed")
     assert restored()
+
+
+def test_weights_read_without_calling_their_layer_keep_the_restore_from_being_deferred(tiny_dir):
+    from vlm_grpo.engine.lora_merge import _embedding_weights
+
+    model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    model = FastVisionModel.get_peft_model(model, r=4, target_modules=["lm_head", "o_proj"])
+    head = model.get_output_embeddings()
+    assert hasattr(head, "lora_A")  # the LM head has an adapter: a fused loss reads its weight directly
+    embeddings = _embedding_weights(model)
+    assert id(head.get_base_layer().weight) in embeddings
+    assert id(model.get_input_embeddings().weight) in embeddings
+    backup = BaseWeightBackup("host")
+    with merged_lora(model, backup) as merged:
+        assert merged
+        readers = {id(weight): reader for weight, _, reader in backup._saved}
+    assert readers[id(head.get_base_layer().weight)] is None  # no reader: a deferred restore would not be waited for
+    assert sum(reader is not None for reader in readers.values()) == len(readers) - 1  # the o_proj layers have theirs

@@ -248,7 +248,8 @@ class FastGenerator:
             swapped = quantized.swapped() if quantized is not None else contextlib.nullcontext()
             fused = self.fused_projections(model)
             elsewhere = fused.covers() if fused is not None else frozenset()
-            defer = defer_restore and self.overlap_restore
+            # Unsloth's fused LoRA kernels read the base weights without calling their layers: nothing would wait.
+            defer = defer_restore and self.overlap_restore and not uses_unsloth(model)
             merged = (
                 merged_lora(model, self.backup(), elsewhere, defer_restore=defer)
                 if self.merge_lora

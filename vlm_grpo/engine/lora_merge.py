@@ -219,9 +219,12 @@ def merged_lora(
             merges.append((layer, layer.get_base_layer().weight, active))
     if merges:
         backup.resolve([weight for _, weight, _ in merges])
+    embeddings = _embedding_weights(model)
     with torch.no_grad():
         for layer, weight, active in merges:
-            backup.save(weight, layer.get_base_layer())
+            # A weight read other than through its layer's forward (an LM head a fused loss reads directly, a tied
+            # embedding) has no reader to wait for it: the restore is then not deferred at all.
+            backup.save(weight, None if id(weight) in embeddings else layer.get_base_layer())
             for name in active:  # W += scaling * (B @ A): PEFT's delta for a Linear base, in one kernel
                 lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
                 weight.addmm_(lora_b.to(weight.dtype), lora_a.to(weight.dtype), alpha=layer.scaling[name])
@@ -240,3 +243,17 @@ def merged_lora(
             layer._disable_adapters = False
         with torch.no_grad():
             backup.restore(defer=defer_restore and completed)
+
+
+def _embedding_weights(model: nn.Module) -> set[int]:
+    """The ids of the input and output embeddings' weights (read directly by fused losses and tied layers)."""
+    weights = set()
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        with contextlib.suppress(AttributeError, NotImplementedError):
+            module = getattr(model, getter)()
+            weight = getattr(module, "weight", None) if module is not None else None
+            if weight is None and module is not None and hasattr(module, "get_base_layer"):
+                weight = getattr(module.get_base_layer(), "weight", None)
+            if weight is not None:
+                weights.add(id(weight))
+    return weights
