@@ -47,3 +47,16 @@ def test_recordings_are_dropped_when_a_weight_moves_or_a_module_is_replaced_and_
     assert len(_cache_signature(other)) == 2
     graphs.begin(model, other)
     assert (id(other), "shape") not in graphs.recordings and (id(cache), "a recording") in graphs.recordings
+
+
+def test_forgetting_an_object_drops_the_recordings_that_read_it():
+    # A cache, buffers or sampler its owner drops takes its recordings with it (their memory is freed now, and a new
+    # object given the same id never replays them).
+    graphs = DecodeGraphs()
+    cache, buffers, sampler = object(), object(), object()
+    graphs.recordings[(id(cache), id(buffers), id(sampler))] = None
+    graphs.recordings[(id(cache), id(buffers), None)] = None
+    graphs.forget(sampler)
+    assert list(graphs.recordings) == [(id(cache), id(buffers), None)]
+    graphs.forget(buffers)
+    assert not graphs.recordings

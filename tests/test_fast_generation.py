@@ -99,29 +99,20 @@ def test_group_sizes_one_and_sixteen(tiny_dir, tmp_path, generations):
     assert trainer.fast_generator.stats["prefill_rows"] == 2
 
 
-def test_sampling_with_a_seed_gives_the_plain_paths_tokens(tiny_dir, tmp_path):
-    settings = dict(do_sample=True, temperature=0.9, top_p=0.9, top_k=20, min_p=0.01, repetition_penalty=1.2)
-    trainer = _trainer(tiny_dir, tmp_path, **settings)
-    batch = _batch(trainer, ROWS, 4)
-    torch.manual_seed(7)
-    plain = _plain(trainer, batch, 4)
-    torch.manual_seed(7)
-    fast = _fast(trainer, batch)
-    assert fast == plain
-    assert len({tuple(c) for c in fast[:4]}) > 1  # really sampled: one prompt's completions differ
-
-
 @pytest.mark.parametrize(
-    "settings",
+    "settings, inside",
     [
-        {"do_sample": False, "min_new_tokens": 4},  # counted on the device (`token_loop.MinNewTokensOnDevice`)
-        {"do_sample": True, "temperature": 0.9, "top_p": 0.9, "top_k": 20, "min_p": 0.01, "min_new_tokens": 0},
+        ({"do_sample": False, "min_new_tokens": 4}, True),  # counted on the device (`token_loop.MinNewTokensOnDevice`)
+        ({"do_sample": True, "temperature": 0.9, "top_p": 0.9, "top_k": 20, "min_p": 0.01, "min_new_tokens": 0}, True),
+        # A repetition penalty reads the ids generated so far: sampled on the host, after the step.
+        ({"do_sample": True, "temperature": 0.9, "top_p": 0.9, "top_k": 20, "min_p": 0.01, "repetition_penalty": 1.2},
+         False),
     ],
-    ids=["greedy", "seeded-sampling"],
-)
-def test_sampling_inside_the_step_gives_the_plain_paths_tokens(tiny_dir, tmp_path, settings):
+    ids=["greedy", "seeded-sampling", "seeded-sampling-repetition-penalty"],
+)  # fmt: skip
+def test_greedy_and_seeded_sampling_give_the_plain_paths_tokens(tiny_dir, tmp_path, settings, inside):
     # Processors that read only the scores are sampled inside the decode step (`engine.token_loop`: what a recorded
-    # CUDA graph replays on a GPU). A repetition penalty (`test_sampling_with_a_seed_...`) keeps sampling outside.
+    # CUDA graph replays on a GPU); the sampler is then kept, and reused while the settings stay.
     trainer = _trainer(tiny_dir, tmp_path, generations=4, lora_b=0.05, **settings)
     batch = _batch(trainer, ROWS, 4)
     torch.manual_seed(7)
@@ -130,12 +121,29 @@ def test_sampling_inside_the_step_gives_the_plain_paths_tokens(tiny_dir, tmp_pat
     fast = _fast(trainer, batch)
     assert fast == plain
     kept = trainer.fast_generator._kept_sampler
-    assert kept is not None and [type(p).__name__ for p in kept.processors]  # sampled inside: a sampler kept
+    assert (kept is not None) == inside
     assert trainer.fast_generator.stats["decode_steps"] > 1
     if settings["do_sample"]:
         assert len({tuple(c) for c in fast[:4]}) > 1  # really sampled: one prompt's completions differ
     torch.manual_seed(7)
-    assert _fast(trainer, batch) == plain and trainer.fast_generator._kept_sampler is kept  # reused: same settings
+    assert _fast(trainer, batch) == plain and trainer.fast_generator._kept_sampler is kept
+
+
+def test_min_new_tokens_holds_eos_back_inside_the_step_as_generate_does(tiny_dir, tmp_path):
+    # EOS is made the token greedy decoding picks first, so without min_new_tokens the first completion is [EOS]: only
+    # the count of new tokens (on the device, `token_loop.MinNewTokensOnDevice`) keeps it going.
+    probe = _trainer(tiny_dir, tmp_path, generations=2, lora_b=0.05, min_new_tokens=0)
+    eos = _plain(probe, _batch(probe, ROWS, 2), 2)[0][0]
+    ended = _trainer(tiny_dir, tmp_path, generations=2, lora_b=0.05, min_new_tokens=0, eos_token_id=[eos])
+    assert _fast(ended, _batch(ended, ROWS, 2))[0] == [eos]
+    trainer = _trainer(tiny_dir, tmp_path, generations=2, lora_b=0.05, min_new_tokens=4, eos_token_id=[eos])
+    batch = _batch(trainer, ROWS, 2)
+    fast = _fast(trainer, batch)
+    assert trainer.fast_generator._kept_sampler is not None  # sampled inside the step
+    # TRL pads after its tokenizer's EOS, not the generation config's: compared up to the first `eos`.
+    plain = [row[: row.index(eos) + 1] if eos in row else row for row in _plain(trainer, batch, 2)]
+    assert fast == plain
+    assert eos not in fast[0][:4] and len(fast[0]) > 4
 
 
 @pytest.mark.trains

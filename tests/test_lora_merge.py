@@ -150,3 +150,16 @@ def test_weights_read_without_calling_their_layer_keep_the_restore_from_being_de
         readers = {id(weight): reader for weight, _, reader in backup._saved}
     assert readers[id(head.get_base_layer().weight)] is None  # no reader: a deferred restore would not be waited for
     assert sum(reader is not None for reader in readers.values()) == len(readers) - 1  # the o_proj layers have theirs
+
+
+def test_a_model_with_a_compiled_module_never_defers_its_restore(tiny_dir):
+    # Dynamo does not run the hooks of the modules inside a compiled one: no layer would wait for its weight's copy.
+    model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    model = FastVisionModel.get_peft_model(model, r=4)
+    backup = BaseWeightBackup("host")
+    with merged_lora(model, backup):
+        assert all(reader is not None for *_, reader in backup._saved)
+    layer = next(m for n, m in model.named_modules() if n.endswith("language_model.layers.0"))
+    layer.compile()  # regional compilation, as accelerate does it
+    with merged_lora(model, backup):
+        assert backup._saved and all(reader is None for *_, reader in backup._saved)

@@ -28,6 +28,11 @@ def _sampler(temperature: float = 0.7, suppressed=(3, 4), eos=(2,)) -> Sampler:
 def test_only_processors_that_read_just_the_scores_are_sampled_inside_the_step():
     assert samples_in_graph(_sampler().processors)
     assert samples_in_graph(LogitsProcessorList())  # plain sampling or argmax
+
+    class ReadsTheIds(TemperatureLogitsWarper):  # a user's subclass may read more than the scores
+        pass
+
+    assert not samples_in_graph(LogitsProcessorList([ReadsTheIds(0.7)]))
     # These read the ids generated so far (a slice that grows every token): sampled outside the recorded step.
     assert not samples_in_graph(LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.2)]))
     assert not samples_in_graph(

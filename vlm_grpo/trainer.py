@@ -496,8 +496,9 @@ class VLMGRPOTrainer(GRPOTrainer):
                         self.generation_config,
                         self._tokenizer.pad_token_id,
                         # The base weights come back while TRL's scoring forward runs (`_score_rollouts` waits for
-                        # them after it); not where the weights are resharded on leaving these contexts.
-                        defer_restore=not (self.is_fsdp_enabled or self._is_zero3),
+                        # them after it); not where the weights are resharded on leaving these contexts, nor under
+                        # torch_compile (Dynamo does not run the hooks that make each layer wait for its weight).
+                        defer_restore=not (self.is_fsdp_enabled or self._is_zero3 or self.args.torch_compile),
                     )
                     return completion_ids, None
                 except FastPathUnavailable as error:

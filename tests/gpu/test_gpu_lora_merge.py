@@ -31,20 +31,29 @@ def test_each_layer_waits_for_its_own_weights_copy(tiny_dir):
     with torch.no_grad():
         expected = model(input_ids=ids).logits
         backup = BaseWeightBackup("host")
-        for _ in range(2):  # the second block reuses the host copies and the side stream
+
+        def merged_then_held_back() -> None:  # merge and restore, the copies held back ~0.5 s on their stream
             backup._stream = backup._stream or torch.cuda.Stream()
             with torch.cuda.stream(backup._stream):
-                torch.cuda._sleep(
-                    1_000_000_000
-                )  # hold the copies back (~0.5 s): a forward that did not wait reads W + BA
+                torch.cuda._sleep(1_000_000_000)
             with merged_lora(model, backup, defer_restore=True) as merged:
                 assert merged
             assert backup._pending is not None and _hooks(model) > hooks  # deferred: one waiting hook per weight
-            after = model(input_ids=ids).logits  # merged weights still there, unless each layer waits for its copy
-            assert torch.equal(after, expected)
-            backup.wait()  # the vision layers' hooks (this forward had no image) go too
-            assert _hooks(model) == hooks and backup._pending is None
-            assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+        # The last layer merged, called on its own first: it waits for its own copy (the last one queued).
+        merged_then_held_back()
+        name, last = [(n, m) for n, m in model.named_modules() if hasattr(m, "lora_A")][-1]
+        x = torch.randn(4, last.in_features, device="cuda", dtype=last.get_base_layer().weight.dtype)
+        base = before[f"{name}.base_layer.weight"]
+        assert torch.equal(last.get_base_layer()(x), torch.nn.functional.linear(x, base))
+        backup.wait()
+        assert _hooks(model) == hooks and backup._pending is None
+        # A whole forward right after generation: every layer waits for its own weight.
+        merged_then_held_back()
+        assert torch.equal(model(input_ids=ids).logits, expected)  # merged weights read by a layer would differ
+        backup.wait()  # the vision layers' hooks (this forward had no image) go too
+        assert _hooks(model) == hooks and backup._pending is None
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
 def test_a_training_step_leaves_the_base_weights_whole_and_no_hooks(tiny_dir, tmp_path):

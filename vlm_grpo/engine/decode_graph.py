@@ -40,6 +40,9 @@ class RecordingFailed(RuntimeError):
 class _Recording:
     graph: torch.cuda.CUDAGraph
     output: Any  # what the step returned when recorded (logits, or None): rewritten by every replay
+    # The step itself, holding what it reads (buffers, sampler, cache): while the recording lives, none of them is
+    # freed, so their memory is not handed to other tensors and their `id`s in the key cannot be reused.
+    call: Callable[[], Any]
 
 
 class DecodeGraphs:
@@ -56,7 +59,7 @@ class DecodeGraphs:
         self.keep = keep
         self.recordings: dict[tuple, _Recording] = {}
         self.recorded = 0  # how many steps were recorded (each new shape, cache or moved weight records once)
-        self._warm: set[tuple] = set()
+        self._warm: dict[tuple, Callable[[], Any]] = {}  # keys stepped once, unrecorded (their objects kept alive)
         self._model_signature: tuple[int, ...] | None = None
         self._cache_signatures: dict[int, tuple[int, ...]] = {}
         self._side: torch.cuda.Stream | None = None  # one warm-up stream (cuBLAS keeps a workspace per stream)
@@ -73,8 +76,15 @@ class DecodeGraphs:
         if self._cache_signatures.get(id(cache)) != cache_signature:
             for key in [k for k in self.recordings if k[0] == id(cache)]:
                 del self.recordings[key]
-            self._warm = {k for k in self._warm if k[0] != id(cache)}
+            self._warm = {k: v for k, v in self._warm.items() if k[0] != id(cache)}
             self._cache_signatures[id(cache)] = cache_signature
+
+    def forget(self, obj: Any) -> None:
+        """Drop the recordings (and warm-up marks) whose key names `obj` (a cache, buffers or sampler its owner drops),
+        so its memory is freed now rather than when a later recording evicts them."""
+        self.recordings = {k: v for k, v in self.recordings.items() if id(obj) not in k}
+        self._warm = {k: v for k, v in self._warm.items() if id(obj) not in k}
+        self._cache_signatures.pop(id(obj), None)
 
     def clear(self) -> None:
         """Drop every recording (and the memory its graph holds)."""
@@ -87,8 +97,9 @@ class DecodeGraphs:
         """`call()`, replayed from a recording: what it returns (logits, or None for a step that writes its results
         into buffers).
 
-        `key` names the step and every tensor it reads other than the model's and the cache's (a recording is kept
-        per `(id(cache), *key)`). The first step of a key runs `call` unrecorded, on a side stream as
+        `key` names the step and every object it reads other than the model and the cache, by `id` (a recording is
+        kept per `(id(cache), *key)` and keeps `call`, and so those objects, alive: their ids cannot be reused while
+        it exists). The first step of a key runs `call` unrecorded, on a side stream as
         `torch.cuda.graph` asks (it compiles, and cuBLAS and the allocator set up outside any recording); the second
         records it and replays. Both are real steps: a step is never run twice, because a step is not idempotent (the
         cache advances its own length, the buffers their positions). A returned tensor of a replay lives in the
@@ -99,7 +110,9 @@ class DecodeGraphs:
         with torch.cuda.device(device):
             recording = self.recordings.get(key)
             if recording is None and key not in self._warm:
-                self._warm.add(key)
+                self._warm[key] = call
+                for old in list(self._warm)[: max(0, len(self._warm) - self.keep)]:
+                    del self._warm[old]
                 current = torch.cuda.current_stream()
                 if self._side is None or self._side.device != current.device:
                     self._side = torch.cuda.Stream()
@@ -112,6 +125,7 @@ class DecodeGraphs:
                 return output
             if recording is None:
                 recording = self._record(call)
+                self._warm.pop(key, None)
                 for old in list(self.recordings)[: max(0, len(self.recordings) - self.keep + 1)]:
                     del self.recordings[old]
                 self.recordings[key] = recording
@@ -129,7 +143,7 @@ class DecodeGraphs:
         except RuntimeError as error:
             raise RecordingFailed(f"the decode step could not be recorded as a CUDA graph ({error})") from error
         self.recorded += 1
-        return _Recording(graph, output)
+        return _Recording(graph, output, call)
 
 
 def _model_signature(model: nn.Module) -> tuple[int, ...]:

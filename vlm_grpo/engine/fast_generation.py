@@ -164,6 +164,8 @@ class FastGenerator:
     def backup(self) -> BaseWeightBackup:
         """The base-weight backup `merged_lora` uses (one per generator, so a host copy outlives a generation)."""
         if self._backup is None or self._backup.setting != self.merge_backup:
+            if self._backup is not None:
+                self._backup.wait()  # its deferred copies land before another backup saves those weights
             self._backup = BaseWeightBackup(self.merge_backup)
         return self._backup
 
@@ -367,7 +369,7 @@ class FastGenerator:
         cache = self._caches.get((batch, cache_len))
         if cache is None:
             for old in list(self._caches)[:-1]:  # keep at most two shapes alive (train and eval batches)
-                del self._caches[old]
+                self._graphs.forget(self._caches.pop(old))
             cache = self._caches[(batch, cache_len)] = StaticCache(config=model.config, max_cache_len=cache_len)
         else:
             cache.reset()
@@ -378,7 +380,7 @@ class FastGenerator:
         buffers = self._buffers.get((batch, cache_len))
         if buffers is None or not buffers.fits(batch, cache_len, position_shape, device):
             for old in list(self._buffers)[:-1]:
-                del self._buffers[old]
+                self._graphs.forget(self._buffers.pop(old))
             buffers = self._buffers[(batch, cache_len)] = DecodeBuffers.allocate(
                 batch, cache_len, position_shape, device
             )
@@ -390,6 +392,8 @@ class FastGenerator:
         if not samples_in_graph(sampler.processors):
             return sampler
         if self._kept_sampler is None or self._kept_sampler.key != sampler.key:
+            if self._kept_sampler is not None:
+                self._graphs.forget(self._kept_sampler)
             self._kept_sampler = sampler
         return self._kept_sampler
 

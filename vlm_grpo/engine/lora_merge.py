@@ -119,7 +119,7 @@ class BaseWeightBackup:
         (TRL's scoring) instead of preceding it. The caller must call `wait` before anything else reads the weights.
         """
         self.wait()
-        saved, self._saved = self._saved, []
+        saved = self._saved
         deferrable = saved and self.where == "host" and saved[0][0].is_cuda and all(r is not None for *_, r in saved)
         if defer and deferrable:
             device = saved[0][0].device
@@ -129,6 +129,7 @@ class BaseWeightBackup:
         else:
             for weight, original, _ in saved:
                 weight.copy_(original, non_blocking=True)
+        self._saved = []  # only once every copy is queued: a failed restore leaves them to restore again
         if self.where == "host":
             for weight, original, _ in saved:
                 self._host[id(weight)] = (weight, original, weight._version, weight.data_ptr())
@@ -153,13 +154,22 @@ class DeferredRestore:
     def __init__(self, saved: Sequence[tuple[torch.Tensor, torch.Tensor, nn.Module]], stream: torch.cuda.Stream):
         self._hooks = []
         self._device = stream.device
-        stream.wait_stream(torch.cuda.current_stream(self._device))  # after the generation's last read
-        with torch.cuda.stream(stream):
-            for weight, original, reader in saved:
+        current = torch.cuda.current_stream(self._device)
+        stream.wait_stream(current)  # after the generation's last read
+        try:
+            with torch.cuda.stream(stream):
+                for weight, original, reader in saved:
+                    weight.copy_(original, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    self._hooks.append(reader.register_forward_pre_hook(self._waiter(event, len(self._hooks))))
+        except BaseException:  # nothing half-deferred: every copy again, in order on the current stream
+            for hook in self._hooks:
+                hook.remove()
+            current.wait_stream(stream)
+            for weight, original, _ in saved:
                 weight.copy_(original, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-                self._hooks.append(reader.register_forward_pre_hook(self._waiter(event, len(self._hooks))))
+            raise
         self._last = event
 
     def _waiter(self, event: torch.cuda.Event, index: int):
@@ -208,6 +218,8 @@ def merged_lora(
         or not all(merges_as_a_delta(layer) for layer in layers)
         or any(layer.merged for layer in layers)  # PEFT merged an adapter itself (`merge_adapter`): its state, not ours
     ):
+        if backup is not None:
+            backup.wait()  # whatever reads the weights next reads them whole
         yield False
         return
     backup = backup if backup is not None else BaseWeightBackup("device")
@@ -219,30 +231,35 @@ def merged_lora(
             merges.append((layer, layer.get_base_layer().weight, active))
     if merges:
         backup.resolve([weight for _, weight, _ in merges])
-    embeddings = _embedding_weights(model)
-    with torch.no_grad():
-        for layer, weight, active in merges:
-            # A weight read other than through its layer's forward (an LM head a fused loss reads directly, a tied
-            # embedding) has no reader to wait for it: the restore is then not deferred at all.
-            backup.save(weight, None if id(weight) in embeddings else layer.get_base_layer())
-            for name in active:  # W += scaling * (B @ A): PEFT's delta for a Linear base, in one kernel
-                lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
-                weight.addmm_(lora_b.to(weight.dtype), lora_a.to(weight.dtype), alpha=layer.scaling[name])
+    # A weight read other than through its layer's forward has no reader to wait for a deferred copy (an LM head a
+    # fused loss reads directly, a tied embedding; any layer inside a compiled module, whose hooks Dynamo does not
+    # run): the restore is then not deferred at all.
+    direct = _embedding_weights(model)
+    compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
     # The merged layers' adapters are off inside the block, each layer's own flag set and put back. PEFT's
     # `disable_adapter()` would walk the whole model twice and reset every adapter's requires_grad (unfreezing any
     # the user froze): ~90 ms a call for a 3B VLM's 414 LoRA layers, most of the merge's cost.
-    merged_layers = [layer for layer, _, _ in merges]
+    merged_layers = []
     completed = False
     try:
-        for layer in merged_layers:
-            layer._disable_adapters = True
+        with torch.no_grad():
+            for layer, weight, active in merges:
+                backup.save(weight, None if compiled or id(weight) in direct else layer.get_base_layer())
+                for name in active:  # W += scaling * (B @ A): PEFT's delta for a Linear base, in one kernel
+                    lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
+                    weight.addmm_(lora_b.to(weight.dtype), lora_a.to(weight.dtype), alpha=layer.scaling[name])
+                layer._disable_adapters = True
+                merged_layers.append(layer)
         yield True
         completed = True
     finally:
-        for layer in merged_layers:
-            layer._disable_adapters = False
-        with torch.no_grad():
-            backup.restore(defer=defer_restore and completed)
+        # Weights back first, then the adapters on: never merged weights with their adapters applied again.
+        try:
+            with torch.no_grad():
+                backup.restore(defer=defer_restore and completed)
+        finally:
+            for layer in merged_layers:
+                layer._disable_adapters = False
 
 
 def _embedding_weights(model: nn.Module) -> set[int]:

@@ -25,12 +25,17 @@ import torch
 
 __all__ = ["DecodeBuffers", "MinNewTokensOnDevice", "Sampler", "on_device", "samples_in_graph"]
 
-# The logits processors that read only the scores (transformers' class names): temperature, top-k, top-p, min-p and
-# suppressed tokens, and min_new_tokens counted on the device. Their tensors are made once, with the sampler.
-SCORE_ONLY_PROCESSORS = frozenset(
-    {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
-     "SuppressTokensLogitsProcessor", "MinNewTokensOnDevice"}
-)  # fmt: skip
+# The logits processors that read only the scores (transformers' classes, matched exactly: a subclass may read more):
+# temperature, top-k, top-p, min-p and suppressed tokens, and min_new_tokens counted on the device. Their tensors are
+# made once, with the sampler.
+SCORE_ONLY_PROCESSORS = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
+                         "SuppressTokensLogitsProcessor")  # fmt: skip
+
+
+def _score_only_types() -> frozenset[type]:
+    from transformers.generation import logits_process
+
+    return frozenset(getattr(logits_process, name) for name in SCORE_ONLY_PROCESSORS) | {MinNewTokensOnDevice}
 
 
 class MinNewTokensOnDevice:
@@ -60,8 +65,10 @@ class MinNewTokensOnDevice:
 def on_device(processors: Any, prompt_width: int) -> Any:
     """`processors` with transformers' min_new_tokens processor (made for prompts of `prompt_width` tokens) replaced
     by `MinNewTokensOnDevice`, in place in the list."""
+    from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+
     for i, processor in enumerate(processors):
-        if type(processor).__name__ == "MinNewTokensLengthLogitsProcessor":
+        if type(processor) is MinNewTokensLengthLogitsProcessor:
             if processor.prompt_length_to_skip != prompt_width:  # counted from elsewhere: left as transformers made it
                 continue
             processors[i] = MinNewTokensOnDevice(processor.min_new_tokens, processor.eos_token_id)
@@ -71,7 +78,8 @@ def on_device(processors: Any, prompt_width: int) -> Any:
 def samples_in_graph(processors: Any) -> bool:
     """Whether every processor in `processors` (a `LogitsProcessorList`) reads only the scores, so sampling can be
     recorded with the forward."""
-    return all(type(p).__name__ in SCORE_ONLY_PROCESSORS for p in processors)
+    types = _score_only_types()
+    return all(type(p) in types for p in processors)
 
 
 def _frozen(value: Any) -> Any:
