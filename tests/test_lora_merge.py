@@ -145,7 +145,7 @@ def test_weights_read_without_calling_their_layer_keep_the_restore_from_being_de
     assert id(head.get_base_layer().weight) in embeddings
     assert id(model.get_input_embeddings().weight) in embeddings
     backup = BaseWeightBackup("host")
-    with merged_lora(model, backup) as merged:
+    with merged_lora(model, backup, defer_restore=True) as merged:  # (on CPU the restore itself is not deferred)
         assert merged
         readers = {id(weight): reader for weight, _, reader in backup._saved}
     assert readers[id(head.get_base_layer().weight)] is None  # no reader: a deferred restore would not be waited for
@@ -157,9 +157,9 @@ def test_a_model_with_a_compiled_module_never_defers_its_restore(tiny_dir):
     model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
     model = FastVisionModel.get_peft_model(model, r=4)
     backup = BaseWeightBackup("host")
-    with merged_lora(model, backup):
+    with merged_lora(model, backup, defer_restore=True):  # (on CPU the restore itself is not deferred)
         assert all(reader is not None for *_, reader in backup._saved)
     layer = next(m for n, m in model.named_modules() if n.endswith("language_model.layers.0"))
     layer.compile()  # regional compilation, as accelerate does it
-    with merged_lora(model, backup):
+    with merged_lora(model, backup, defer_restore=True):
         assert backup._saved and all(reader is None for *_, reader in backup._saved)

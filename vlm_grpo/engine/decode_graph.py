@@ -7,12 +7,13 @@ H100 (3B, 16 rows, under the profiler) the GPU was busy 4.0 ms of each 6.7 ms de
 the rest; recorded by hand, the step is 4.2 ms of back-to-back kernels (`benchmarks/results/h100-decode-profile-modes/`).
 Here the model is compiled without graphs (Inductor's fused kernels), one decode step is recorded per (batch, cache)
 with `torch.cuda.graph`, and each later step is one replay: the step reads and writes buffers that outlive the
-generation (`engine.token_loop`), so nothing is copied in. The address checks run once per generation instead of once per token (`begin`): a parameter, buffer or cache tensor that
-moved (re-allocated weights, a new cache), or a module replaced, drops the recordings.
+generation (`engine.token_loop`), so nothing is copied in. The address checks run once per generation instead of
+once per token (`begin`): a parameter, buffer or cache tensor that moved (re-allocated weights, a new cache), or a
+module replaced, drops the recordings.
 
 What a replay computes is what the step computes (the compiled forward's kernels, and with logits processors that read
-only the scores, the sampling's, on the same buffers; `tests/gpu`); the stopping check stays on the host. Python-side state the forward changes is changed
-only when recording: transformers' static cache keeps its length in a device tensor (advanced by the replay), and the
+only the scores, the sampling's, on the same buffers; `tests/gpu`); the stopping check stays on the host. Python-side
+state the forward changes is changed only when recording: transformers' static cache keeps its length in a device tensor (advanced by the replay), and the
 sliding-window layers' Python counter only matters once the window is full, which the fast path refuses.
 """
 

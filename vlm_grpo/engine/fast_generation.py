@@ -57,7 +57,7 @@ from .quantized_generation import (
     describe,
     has_quantized_layers,
 )
-from .token_loop import DecodeBuffers, Sampler, on_device, samples_in_graph
+from .token_loop import DecodeBuffers, Sampler, on_device
 
 __all__ = [
     "CUDA_GRAPHS",
@@ -250,8 +250,7 @@ class FastGenerator:
             swapped = quantized.swapped() if quantized is not None else contextlib.nullcontext()
             fused = self.fused_projections(model)
             elsewhere = fused.covers() if fused is not None else frozenset()
-            # Unsloth's fused LoRA kernels read the base weights without calling their layers: nothing would wait.
-            defer = defer_restore and self.overlap_restore and not uses_unsloth(model)
+            defer = defer_restore and self.overlap_restore
             merged = (
                 merged_lora(model, self.backup(), elsewhere, defer_restore=defer)
                 if self.merge_lora
@@ -389,7 +388,7 @@ class FastGenerator:
     def _sampler(self, sampler: Sampler) -> Sampler:
         """`sampler`, or the one kept from an earlier generation if it samples alike: a recorded step reads the
         sampler's tensors (suppressed tokens, EOS ids), so recordings survive only while it is the same object."""
-        if not samples_in_graph(sampler.processors):
+        if not sampler.reads_only_scores:
             return sampler
         if self._kept_sampler is None or self._kept_sampler.key != sampler.key:
             if self._kept_sampler is not None:
@@ -416,7 +415,6 @@ class FastGenerator:
             if self._compiled_call is None or self._compiled_mode != mode:
                 self._compiled_call, self._compiled_mode = torch.compile(model.__call__, mode=mode, dynamic=False), mode
             call = self._compiled_call
-        can_sample_inside = samples_in_graph(sampler.processors)
 
         def token(sample: bool) -> torch.Tensor | None:
             buffers.advance()
@@ -435,7 +433,7 @@ class FastGenerator:
 
         def step() -> torch.Tensor | None:
             # Sampled inside the step whether or not it is recorded, so the CPU tests run the recorded step's code.
-            sample = self.sample_in_graph and can_sample_inside
+            sample = self.sample_in_graph and sampler.reads_only_scores
             if recorded and self.cuda_graph == "recorded":
                 key = (id(buffers), id(sampler) if sample else None)
                 try:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..integrations.unsloth import uses_unsloth
 from .fused_projections import merges_as_a_delta
 from .quantized_generation import is_quantized_linear
 
@@ -231,11 +232,10 @@ def merged_lora(
             merges.append((layer, layer.get_base_layer().weight, active))
     if merges:
         backup.resolve([weight for _, weight, _ in merges])
-    # A weight read other than through its layer's forward has no reader to wait for a deferred copy (an LM head a
-    # fused loss reads directly, a tied embedding; any layer inside a compiled module, whose hooks Dynamo does not
-    # run): the restore is then not deferred at all.
-    direct = _embedding_weights(model)
-    compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+    # Each merged weight's reader: the layer whose forward a deferred copy makes wait (only looked for when asked).
+    # A weight read other than through its layer's forward has none, and the restore is then not deferred at all.
+    no_readers = defer_restore and _hooks_are_bypassed(model)
+    direct = _embedding_weights(model) if defer_restore else set()
     # The merged layers' adapters are off inside the block, each layer's own flag set and put back. PEFT's
     # `disable_adapter()` would walk the whole model twice and reset every adapter's requires_grad (unfreezing any
     # the user froze): ~90 ms a call for a 3B VLM's 414 LoRA layers, most of the merge's cost.
@@ -244,7 +244,8 @@ def merged_lora(
     try:
         with torch.no_grad():
             for layer, weight, active in merges:
-                backup.save(weight, None if compiled or id(weight) in direct else layer.get_base_layer())
+                reader = None if not defer_restore or no_readers or id(weight) in direct else layer.get_base_layer()
+                backup.save(weight, reader)
                 for name in active:  # W += scaling * (B @ A): PEFT's delta for a Linear base, in one kernel
                     lora_a, lora_b = layer.lora_A[name].weight, layer.lora_B[name].weight
                     weight.addmm_(lora_b.to(weight.dtype), lora_a.to(weight.dtype), alpha=layer.scaling[name])
@@ -260,6 +261,12 @@ def merged_lora(
         finally:
             for layer in merged_layers:
                 layer._disable_adapters = False
+
+
+def _hooks_are_bypassed(model: nn.Module) -> bool:
+    """Whether the model's layers may run without their forward hooks: inside a compiled module (Dynamo does not run
+    them), or under Unsloth (its fused LoRA kernels read the base weights without calling the layers)."""
+    return uses_unsloth(model) or any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
 
 
 def _embedding_weights(model: nn.Module) -> set[int]:

@@ -17,6 +17,7 @@ EOS; the CPU tests compare tokens with `model.generate` under greedy decoding an
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -109,6 +110,11 @@ class Sampler:
     do_sample: bool
     eos: torch.Tensor
     pad_id: int
+
+    @functools.cached_property
+    def reads_only_scores(self) -> bool:
+        """Whether the sampling can be recorded with the forward (`samples_in_graph`)."""
+        return samples_in_graph(self.processors)
 
     @property
     def key(self) -> tuple:
