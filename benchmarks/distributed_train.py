@@ -257,6 +257,13 @@ def main() -> None:
     with open(os.path.join(args.out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
     print(json.dumps(record), flush=True)
+    # Every rank done, then the process group torn down before the interpreter exits: left to exit, gloo's threads
+    # were seen to abort a rank ("terminate called without an active exception") after its work was written.
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
