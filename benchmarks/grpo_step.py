@@ -62,6 +62,8 @@ VLM_VARIANTS = {
     "vlm-grpo-light": {"fast_generation_quantized": "light"},
     "vlm-grpo-off": {"fast_generation": False, "shared_prefix": False},  # both fast paths off: the video baseline
     "vlm-grpo-round3": {},  # the engine as the third decode round left it (GENERATOR_VARIANTS)
+    "vlm-grpo-eager-layers": {"compile_layers": False},  # the layers' training forward and backward run eagerly
+    "vlm-grpo-compiled": {"compile_layers": True},  # compiled layers asked for by name (on CPU too: the smoke test)
 }
 # Variants set on the trainer's FastGenerator: `vlm-grpo-round3` samples on the host after the recorded forward and
 # copies the base weights back before the scoring forward, not beside it (engine/token_loop.py, engine/lora_merge.py).
@@ -84,6 +86,9 @@ def parse_args(argv=None):
     p.add_argument("--num_generations", type=int, default=8, help="completions per prompt")
     p.add_argument("--completion_length", type=int, default=256, help="forced new tokens per completion")
     p.add_argument("--steps", type=int, default=3, help="GRPO steps per run; the first is warm-up")
+    p.add_argument("--warmup_steps", type=int, default=1,
+                   help="first steps of each run left out of the medians (compilation; for about a minute after one "
+                   "the host is slower, see docs/benchmarks.md)")  # fmt: skip
     p.add_argument("--steps_trl", type=int, default=None, help="steps for the trl / trl-static runs (default: --steps)")
     p.add_argument("--rounds", type=int, default=1, help="alternating rounds of all trainers")
     p.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA r=16 on all linear layers")
@@ -103,6 +108,9 @@ def parse_args(argv=None):
         + ",".join(VIDEO_TRAINERS)
         + ")",
     )
+    p.add_argument("--profile_step", type=int, default=0,
+                   help="run this step of each trainer under torch.profiler and the next under cProfile "
+                   "(step_profile.py: host and device time per phase; needs --steps >= profile_step + 1)")  # fmt: skip
     p.add_argument("--checkpoint_dir", default="/tmp/vlm-grpo-bench", help="where the random checkpoint is cached")
     p.add_argument("--out", default="benchmarks/results", help="output folder for results.json / results.md")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -127,25 +135,42 @@ def _sync_time() -> float:
 def _timed(base):
     """Subclass of a GRPO trainer that times generation and scoring, and whole steps, with CUDA syncs."""
 
+    from torch.profiler import record_function  # the phases `step_profile.py` reads (no cost unless profiling)
+
     class Timed(base):
         def _generate(self, prompts):
             start = _sync_time()
-            out = super()._generate(prompts)
+            with record_function("step.generation"):
+                out = super()._generate(prompts)
             self._bench_generation += _sync_time() - start
             return out
 
         def _generate_and_score_completions(self, inputs):
             start = _sync_time()
             before = self._bench_generation
-            out = super()._generate_and_score_completions(inputs)
+            with record_function("step.rollout"):
+                out = super()._generate_and_score_completions(inputs)
             self._bench_scoring += (_sync_time() - start) - (self._bench_generation - before)
             return out
+
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            with record_function("step.logps"):
+                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+        def _calculate_rewards(self, *args, **kwargs):
+            with record_function("step.rewards"):
+                return super()._calculate_rewards(*args, **kwargs)
+
+        def compute_loss(self, *args, **kwargs):
+            with record_function("step.loss"):
+                return super().compute_loss(*args, **kwargs)
 
     return Timed
 
 
-def _callback(records: list):
+def _callback(records: list, args_profile_step: int = 0):
     import torch
+    from torch.profiler import record_function
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
@@ -158,11 +183,18 @@ def _callback(records: list):
                 torch.cuda.reset_peak_memory_stats()
             self.start = _sync_time()
 
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            self.optimizer_range = record_function("step.optimizer")
+            self.optimizer_range.__enter__()
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            self.optimizer_range.__exit__(None, None, None)
+
         def on_step_end(self, args, state, control, **kwargs):
             total = _sync_time() - self.start
             t = self.trainer
             records.append({
-                "step": state.global_step, "total_s": total, "generation_s": t._bench_generation,
+                "step": state.global_step, "total_s": total, "profiled": 0 < args_profile_step <= state.global_step, "generation_s": t._bench_generation,
                 "scoring_s": t._bench_scoring, "training_s": total - t._bench_generation - t._bench_scoring,
                 "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
             })  # fmt: skip
@@ -227,7 +259,7 @@ def run_worker(args) -> None:
     if args.video_frames:  # every frame kept: the clip is the benchmark's input, not the sampler's choice
         common["video_num_frames"] = args.video_frames
     records: list = []
-    timer = _callback(records)
+    timer = _callback(records, args.profile_step)
     load_start = time.perf_counter()
     if trainer_name in VLM_VARIANTS:
         from vlm_grpo import FastVisionModel, VLMGRPOConfig, VLMGRPOTrainer
@@ -267,6 +299,18 @@ def run_worker(args) -> None:
         trainer = _timed(GRPOTrainer)(model, [_reward], args=GRPOConfig(**common), train_dataset=dataset,
                                       processing_class=processor, peft_config=peft_config, callbacks=[timer])  # fmt: skip
     timer.trainer = trainer
+    if args.profile_step:
+        from step_profile import profiling_callback
+        from torch.profiler import record_function
+
+        trainer.add_callback(profiling_callback(trainer_name, args.profile_step, args.out))
+        backward = trainer.accelerator.backward
+
+        def labelled_backward(*a, **k):
+            with record_function("step.backward"):
+                return backward(*a, **k)
+
+        trainer.accelerator.backward = labelled_backward
     load_s = time.perf_counter() - load_start
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -290,7 +334,9 @@ def run_worker(args) -> None:
 
 
 def _summary(run: dict, args) -> dict:
-    measured = run["steps"][1:] or run["steps"]  # first step is warm-up (compilation, allocator growth)
+    # `run["steps"]`: the warm-up step (compilation, allocator growth), then the measured ones; steps run under a
+    # profiler are not timed.
+    measured = [r for r in run["steps"][1:] if not r.get("profiled")] or run["steps"]
     tokens = args.prompts * args.num_generations * args.completion_length
     med = {
         k: statistics.median(r[k] for r in measured)
@@ -316,7 +362,8 @@ def _markdown(summaries: dict, args, env: dict) -> str:
             f"gradient checkpointing {'off' if args.no_gradient_checkpointing else 'on'}, "
             f"{'4-bit' if args.load_in_4bit else '8-bit' if args.load_in_8bit else 'bf16'}, beta {args.beta}"
             f"{f', GPU memory capped at {args.memory_cap_gib:g} GiB' if args.memory_cap_gib else ''}; "
-            f"median of steps 2..{args.steps}")  # fmt: skip
+            f"median of steps {args.warmup_steps + 1}..{args.steps} (TRL: 2..{args.steps_trl or args.steps})"
+            f"{f', step {args.profile_step}+ profiled, not timed' if args.profile_step else ''}")  # fmt: skip
     versions = f"torch {env['torch']}, transformers {env['transformers']}, trl {env['trl']}, peft {env['peft']}"
     columns = ("| trainer | step s | generation s | scoring s | training s | gen tok/s | ms/token | peak GiB "
                "| warm-up step s | compiled graphs / steps |")  # fmt: skip
@@ -391,8 +438,9 @@ def main(argv=None) -> None:
                 runs[name].append(json.load(f))
     summaries = {}
     for name, name_runs in runs.items():
-        if name_runs:  # each run's first step is warm-up; the warm-up column shows the first run's
-            steps = name_runs[0]["steps"][:1] + [s for r in name_runs for s in r["steps"][1:]]
+        if name_runs:  # each run's first steps are warm-up; the warm-up column shows the first run's first step
+            warmup = args.warmup_steps if name in VLM_VARIANTS else 1  # TRL compiles nothing
+            steps = name_runs[0]["steps"][:1] + [s for r in name_runs for s in r["steps"][warmup:]]
             summaries[name] = _summary(
                 {"steps": steps, "compiled_graphs": name_runs[0].get("compiled_graphs", 0)}, args
             )

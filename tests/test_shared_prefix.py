@@ -12,6 +12,7 @@ from trl.trainer.utils import shuffle_sequence_dict, split_pixel_values_by_grid,
 
 from vlm_grpo.compat import checkpointing_settings
 from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
+from vlm_grpo.engine.adapters_off import AdaptersOff
 from vlm_grpo.engine.shared_prefix import unsupported_reason
 from vlm_grpo.hooks import find_vision_tower
 from vlm_grpo.model import FastVisionModel
@@ -176,7 +177,7 @@ def test_training_takes_the_shared_path(tiny_dir, tmp_path):
     )  # fmt: skip
     trainer = VLMGRPOTrainer(model, [_zero_reward], args=args, train_dataset=make_visual_reasoning_dataset("color", 8),
                              processing_class=processor)  # fmt: skip
-    assert trainer.ref_model is None and trainer.beta == 0.04
+    assert isinstance(trainer.ref_model, AdaptersOff) and trainer.beta == 0.04  # the base: the adapter switched off
     trainer.train()
     # Step 1 generates: old and reference log-probs, then the policy; step 2 reuses the batch: the policy only.
     assert trainer.shared_prefix_calls == 4 and not getattr(trainer, "shared_prefix_fallbacks", {})

@@ -11,6 +11,7 @@ from PIL import Image
 
 from vlm_grpo.compat import checkpointing_from_args, checkpointing_settings, enable_checkpointing
 from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
+from vlm_grpo.engine.adapters_off import AdaptersOff
 from vlm_grpo.evaluation import evaluate
 from vlm_grpo.model import FastVisionModel
 from vlm_grpo.modes import generating
@@ -116,7 +117,7 @@ def test_vision_lora_changes_under_checkpointing_and_reference_is_the_base(tiny_
         model, [_length], args=_config(tmp_path, max_steps=3, learning_rate=1e-2), train_dataset=train,
         processing_class=processor,
     )  # fmt: skip
-    assert trainer.ref_model is None  # PEFT: the reference is the base with the adapter disabled
+    assert isinstance(trainer.ref_model, AdaptersOff)  # PEFT: the reference is the base with the adapter disabled
     assert list(trainer.model.peft_config) == ["default"]  # no second ("ref") copy of a fresh adapter
     assert trainer.beta == 0.04
     trainer.train()

@@ -161,6 +161,15 @@ class VLMGRPOConfig(GRPOConfig):
                   "(vlm_grpo.engine.vision_attention; same outputs and gradients) instead of one call per window, "
                   "~900 calls per vision pass at 448². Other families and attention implementations: unchanged."},
     )  # fmt: skip
+    compile_layers: bool | None = field(
+        default=None,
+        metadata={"help": "Compile each layer's attention and MLP (torch.compile) for the training forward and "
+                  "backward: fused kernels, one call per module instead of PEFT's and transformers' Python, where the "
+                  "training phase is host-bound (the same loss and gradients up to float rounding). The first steps "
+                  "compile (~15 s for a 3B model). None: on for a model on a GPU; off on CPU, under FSDP / DeepSpeed, "
+                  "torch_compile, Unsloth, reentrant checkpointing and for 4-bit / 8-bit models. Module hooks added "
+                  "inside these layers after the first step do not run in the training forward: False for those."},
+    )  # fmt: skip
     shared_prefix: bool = field(
         default=True,
         metadata={"help": "Compute each group's prompt and images once when scoring and training (the G completions "

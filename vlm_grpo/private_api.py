@@ -116,6 +116,8 @@ TRAINER_ATTRIBUTES = (
     "num_iterations",
     "chat_template",
     "chat_template_kwargs",
+    "beta",  # adapters_off: a fresh adapter's reference is the policy, its adapters off, set as TRL's ref_model
+    "ref_model",
 )  # fmt: skip
 FUSED_LM_HEAD_KEYWORDS = ("fused_lm_head", "shift_labels")
 

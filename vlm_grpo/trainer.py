@@ -60,7 +60,10 @@ from .compat import (
 )
 from .config import VLMGRPOConfig
 from .dynamic_sampling import DynamicSampler, DynamicSamplingState
+from .engine.adapters_off import AdaptersOff, layers_to_switch
 from .engine.batch_layout import VIDEO_KEYS, distinct_prompts, select_rows
+from .engine.compiled_layers import CompiledLayers, detach_all
+from .engine.compiled_layers import unsupported_reason as compiled_layers_unsupported
 from .engine.fast_generation import FastGenerator, FastPathUnavailable
 from .engine.sharded import full_weights
 from .engine.sharded import unsupported_reason as sharded_unsupported_reason
@@ -71,7 +74,7 @@ from .hooks import enable_requires_grad_hooks
 from .image_sizes import add_image_sizes
 from .integrations.unsloth import maybe_patch_for_model
 from .model import FastBaseVisionModel
-from .modes import checkpointing_mode, generating, set_checkpointing
+from .modes import checkpointing_mode, checkpointing_off, generating, set_checkpointing
 from .pixel_budget import apply_pixel_budget
 from .processing import check_video_support, holds_clips, row_vision_inputs, tokenize_clip_prompts
 from .processor import load_processor
@@ -323,12 +326,44 @@ class VLMGRPOTrainer(GRPOTrainer):
             quantized=getattr(args, "fast_generation_quantized", "auto"),
         )
         self._fast_generation_fallbacks: set[str] = set()
+        # A fresh adapter's KL reference: the policy with its adapters off by their own flags, not PEFT's walks
+        # (`vlm_grpo.engine.adapters_off`); TRL hands it back to `_get_per_token_logps_and_entropies`.
+        if self.beta != 0.0 and self.ref_model is None and (layers := layers_to_switch(unwrapped)) is not None:
+            self.ref_model = AdaptersOff(lambda: self.model, layers)
+        self.compiled_layers = CompiledLayers()
+        self._compile_layers(unwrapped, args)
         self.dynamic_sampler = DynamicSampler(self) if getattr(args, "dynamic_sampling", False) else None
         if self.dynamic_sampler is not None:
             self.add_callback(DynamicSamplingState())  # carries its position into checkpoints
         # Each row's vision inputs while a batch with clips is generated and scored (`_tokenize_prompts`) or trained
         # on (`_compute_loss`); None otherwise. `_get_per_token_logps_and_entropies` passes them to the model.
         self._vision_rows: list[dict[str, Any]] | None = None
+
+    def _compile_layers(self, unwrapped: Any, args: Any) -> None:
+        """Compile the layers' attention and MLP for the training forward and backward (`engine.compiled_layers`) as
+        `compile_layers` asks: None is on for a model on a GPU, where the training phase is host-bound. Idempotent;
+        compiled forwards another trainer left on the model are removed first (this config decides)."""
+        if not self.compiled_layers.modules:
+            detach_all(unwrapped)
+        setting = getattr(args, "compile_layers", None)
+        if setting is False or (setting is None and next(unwrapped.parameters()).device.type != "cuda"):
+            return
+        reason = (
+            "torch_compile compiles the whole model" if args.torch_compile
+            else "sharded (FSDP / DeepSpeed) layers" if self.is_fsdp_enabled or self.is_deepspeed_enabled
+            else compiled_layers_unsupported(unwrapped)
+        )  # fmt: skip
+        if reason is not None:
+            warned = self.__dict__.setdefault("_compile_layers_warnings", set())
+            if setting and reason not in warned:  # asked for by name: say why not, once
+                warned.add(reason)
+                logger.warning("compile_layers=True, but the layers are left uncompiled: %s.", reason)
+            return
+        before = len(self.compiled_layers.modules)
+        count = self.compiled_layers.attach(unwrapped)
+        if count != before:
+            logger.info("Compiled the training forward of %d attention / MLP modules (the first step compiles them).",
+                        count)  # fmt: skip
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`, after checking this TRL can compute GRPO log-probs on this device.
@@ -343,7 +378,12 @@ class VLMGRPOTrainer(GRPOTrainer):
                 raise ValueError(f"No complete checkpoint to resume from in {self.args.output_dir}.")
         if self.dynamic_sampler is not None:
             self.dynamic_sampler.restart()
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        # The layers compiled for this run only: afterwards the model's own forwards, for whatever uses it next.
+        self._compile_layers(self.accelerator.unwrap_model(self.model), self.args)
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self.compiled_layers.detach()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """`Trainer.save_model`, which also writes the model under FSDP with sharded checkpoints.
@@ -452,8 +492,15 @@ class VLMGRPOTrainer(GRPOTrainer):
     def _generate_single_turn(self, *args: Any, **kwargs: Any):
         # Inference mode while generating, then exactly the mode the model was in (train or eval, checkpointing as
         # configured at __init__): `vlm_grpo.modes` owns the switching.
-        with generating(self.accelerator.unwrap_model(self.model)):
-            return self._fast_generate(*args, **kwargs) or super()._generate_single_turn(*args, **kwargs)
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        with generating(unwrapped):
+            completions = self._fast_generate(*args, **kwargs)
+            if completions is not None:
+                return completions
+            # TRL's generation switches checkpointing off and on again with the config's kwargs: off here first, so
+            # it leaves it alone, and given back exactly as found after.
+            with checkpointing_off(unwrapped):
+                return super()._generate_single_turn(*args, **kwargs)
 
     @property
     def _is_zero3(self) -> bool:
@@ -473,18 +520,28 @@ class VLMGRPOTrainer(GRPOTrainer):
             return "ds3_gather_for_generation=False: ZeRO-3 weights stay sharded while generating"
         return self.fast_generator.unsupported_reason(self.accelerator.unwrap_model(self.model))
 
+    @contextlib.contextmanager
+    def _unwrapped_for_generation(self):
+        """The model without DDP / DeepSpeed wrappers; under ZeRO-3, TRL's context, which gathers the weights (with
+        checkpointing off around it, which it would switch back on with the config's kwargs)."""
+        unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
+        if not self._is_zero3:
+            yield unwrapped  # TRL's context would add a walk of the model to switch checkpointing off and on, for nothing
+            return
+        with checkpointing_off(unwrapped), unwrap_model_for_generation(
+            self.model_wrapped, self.accelerator, generation_kwargs=self.generation_kwargs
+        ) as model:  # fmt: skip
+            yield model
+
     def _fast_generate(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """Completions from `vlm_grpo.engine.fast_generation`, or None when the plain path must serve this call."""
         if not getattr(self.args, "fast_generation", False):
             return None
         reason = self._fast_generation_blocker(has_tool_images)
         if reason is None:
-            # TRL's context unwraps DDP / DeepSpeed and gathers ZeRO-3 weights; FSDP2 units are unsharded here, once
-            # for the whole rollout rather than per layer per token.
+            # FSDP2 units are unsharded here, once for the whole rollout rather than per layer per token.
             with (
-                unwrap_model_for_generation(
-                    self.model_wrapped, self.accelerator, generation_kwargs=self.generation_kwargs
-                ) as model,
+                self._unwrapped_for_generation() as model,
                 full_weights(self.model_wrapped) if self.is_fsdp_enabled else contextlib.nullcontext(),
             ):
                 try:
@@ -514,6 +571,12 @@ class VLMGRPOTrainer(GRPOTrainer):
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
         compute_aux_loss=False, **model_inputs,
     ):  # fmt: skip
+        if isinstance(model, AdaptersOff):  # the KL reference: the policy, its adapters off (`engine.adapters_off`)
+            with model.switched_off() as policy:
+                return self._get_per_token_logps_and_entropies(
+                    policy, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                    compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **model_inputs,
+                )  # fmt: skip
         # Each group's prompt and images computed once (vlm_grpo.engine.shared_prefix), else TRL's per-row forward.
         rows = self._vision_rows
         if rows is not None:  # a batch with clips: its vision inputs (images too) come from the rows, not from TRL

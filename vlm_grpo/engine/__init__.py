@@ -10,5 +10,7 @@ then takes TRL's path and logs why once):
   as one GEMM), and `lora_merge` runs with LoRA merged into the base weights (restored bit for bit afterwards);
 - `quantized_generation`: plain stand-ins for bitsandbytes 4-bit / 8-bit layers, so QLoRA models decode compiled;
 - `shared_prefix`: old-policy, reference and policy log-probs with each group's prompt and images computed once;
+- `adapters_off`: a fresh adapter's KL reference, the policy with its LoRA layers switched off by their own flags;
+- `compiled_layers`: the layers' attention and MLP compiled for the training forward and backward;
 - `sharded`: FSDP2 / ZeRO-3 weights gathered whole for a rollout or an export.
 """

@@ -1,0 +1,124 @@
+"""`vlm_grpo.engine.compiled_layers`: the layers' attention and MLP compiled for the training forward and backward give
+the eager loss and every gradient, with one graph per module class whatever the depth, and only with gradients on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from test_shared_prefix import COLORS, _batch, _rows, _trainer, _zero_reward
+from torch._dynamo.utils import counters
+
+from vlm_grpo.engine.compiled_layers import (
+    COMPILED_CHILDREN,
+    CompiledLayers,
+    _TrainingForward,
+    detach_all,
+    unsupported_reason,
+)
+from vlm_grpo.model import FastVisionModel
+from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and counters empty for the test, and left empty for the tests after it (the counters are
+    global: other tests count their own graphs)."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def _loss_and_grads(trainer, inputs):
+    model = trainer.model
+    model.zero_grad()
+    loss = trainer.compute_loss(model, inputs)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.trains
+def test_loss_and_every_gradient_match_the_eager_layers(tiny_dir, tmp_path, fresh_dynamo):
+    # LoRA on the vision tower and the language model, checkpointing on: the recomputation in backward calls the
+    # compiled modules again.
+    trainer = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", gc=True)
+    inputs = _batch(trainer, "qwen2_5_vl")
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train; the loss normalises by it
+    eager_loss, eager = _loss_and_grads(trainer, inputs)
+    assert not counters["stats"]["unique_graphs"]
+    compiled = CompiledLayers()
+    count = compiled.attach(trainer.model)
+    vision_blocks = trainer.model.config.vision_config.depth
+    text_layers = trainer.model.config.get_text_config().num_hidden_layers
+    assert count == 2 * text_layers + vision_blocks  # decoder attention and MLP, vision MLP (its attention reads
+    assert compiled.attach(trainer.model) == count  # window lengths on the host); idempotent
+    loss, grads = _loss_and_grads(trainer, inputs)
+    # One graph per module class (decoder attention, decoder MLP, vision MLP), not one per layer.
+    assert counters["stats"]["unique_graphs"] == 3
+    assert torch.isfinite(loss) and abs(loss - eager_loss) <= 1e-5 * abs(eager_loss) + 1e-7
+    assert set(grads) == set(eager) and any(".visual." in n for n in grads)
+    for name, grad in eager.items():
+        assert grad.norm() > 0, name
+        assert (grads[name] - grad).norm() <= 1e-4 * grad.norm(), name
+    # Without gradients (generation, reference log-probs) the modules run as written: no new graph, no call.
+    calls = counters["stats"]["calls_captured"]
+    with torch.no_grad():
+        trainer.compute_loss(trainer.model, inputs)
+    assert counters["stats"]["calls_captured"] == calls
+    modules = list(compiled.modules)
+    compiled.detach()
+    assert not compiled.modules and not any("forward" in vars(m) for m in modules)  # their class's forward again
+
+
+def test_unsupported_models_are_named(tiny_dir, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    trainer = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both")
+    assert unsupported_reason(trainer.model) is None
+    layer = next(m for m in trainer.model.modules() if hasattr(m, COMPILED_CHILDREN[1]))
+    layer.compile()
+    assert "already compiled" in unsupported_reason(trainer.model)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))  # fmt: skip
+    assert unsupported_reason(llama) is None  # a text model's decoder layers are checkpointable too
+    assert "no transformers GradientCheckpointingLayer" in unsupported_reason(torch.nn.Linear(2, 2))
+    # Reentrant checkpointing: the first forward runs without gradients (eager), the recomputation would be compiled.
+    reentrant = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", gc="reentrant")
+    assert "reentrant" in unsupported_reason(reentrant.model)
+
+
+def test_the_trainer_compiles_as_the_config_says(tiny_dir, tmp_path, caplog):
+    # None (the default) is on for a model on a GPU only; True asks for it on the CPU too; torch_compile wins, said.
+    assert not _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both").compiled_layers.modules
+    asked = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", compile_layers=True)
+    assert len(asked.compiled_layers.modules) == 6
+    with caplog.at_level("WARNING", logger="vlm_grpo.trainer"):
+        whole = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", compile_layers=True, torch_compile=True)
+    assert not whole.compiled_layers.modules
+    assert "torch_compile compiles the whole model" in caplog.text
+
+
+def test_the_next_trainers_config_decides_and_other_forwards_are_left_alone(tiny_dir, tmp_path):
+    model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl", words=COLORS), full_finetuning=False)
+    model = FastVisionModel.get_peft_model(model, r=4)
+
+    def trainer(compile_layers):
+        args = VLMGRPOConfig(output_dir=str(tmp_path / str(compile_layers)), per_device_train_batch_size=8,
+                             num_generations=2, report_to="none", use_cpu=True, compile_layers=compile_layers)  # fmt: skip
+        return VLMGRPOTrainer(model, [_zero_reward], args=args, train_dataset=Dataset.from_list(_rows("qwen2_5_vl")),
+                              processing_class=processor)  # fmt: skip
+
+    modules = list(trainer(True).compiled_layers.modules)
+    assert modules and all(isinstance(vars(m)["forward"], _TrainingForward) for m in modules)
+    # A second trainer on the same model with compile_layers=False: the first one's compiled forwards are gone.
+    assert not trainer(False).compiled_layers.modules and not any("forward" in vars(m) for m in modules)
+    # A forward someone else put on a module (another library's patch) is neither replaced nor removed.
+    patched = modules[0]
+    patched.forward = own = lambda *args, **kwargs: None
+    compiled = CompiledLayers()
+    assert compiled.attach(model) == len(modules) - 1 and patched not in compiled.modules
+    compiled.detach()
+    assert vars(patched)["forward"] is own and detach_all(model) == 0

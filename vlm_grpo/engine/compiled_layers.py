@@ -1,0 +1,130 @@
+"""The training forward and backward of each layer's attention and MLP compiled, instead of run op by op from Python.
+
+Why: a GRPO step's training phase is host-bound. On an H100 (3B, 448², 2 x 8 rows, LoRA r=16 on every linear layer,
+gradient checkpointing) its forward and backward launched ~19 000 kernels that kept the GPU busy for 0.26 s of a
+0.91 s phase: the rest was Python (PEFT's LoRA forward per layer, transformers' modules, the checkpoint's recompute)
+and one small kernel after another (`benchmarks/step_profile.py`). Compiled, a layer's attention or MLP is one call
+whose kernels are fused (the LoRA products, rotary, activation and adds), forward and backward.
+
+What is compiled: the `self_attn` and `mlp` children of every checkpointable layer (transformers'
+`GradientCheckpointingLayer`: decoder layers and vision blocks; Qwen-VL's vision attention is left alone, it reads
+its window lengths on the host). Each child keeps its own module: its forward is `torch.compile` of its class's
+forward, called with the module as an argument, so one graph per class serves every layer (the weights are graph
+inputs, not constants) and compilation does not grow with depth. Checkpointing stays transformers': the checkpoint
+wraps the layer around the compiled children, and the recomputation in backward calls them again.
+
+When: only with gradients on and outside any other compilation, i.e. the policy's forward in the loss and its
+recomputation. Generation (compiled its own way), reference and old-policy log-probs (no gradients; they also run
+while the base weights come back from a merge, each layer waiting on a module hook that compiled code would skip:
+the trainer joins that restore before any forward with gradients) run the modules as written. Module hooks
+registered inside these modules after their first training step do not run in the training forward (Dynamo does
+not guard on hooks): `compile_layers=False` for such hooks. Not with reentrant checkpointing, whose first forward
+runs without gradients (eager) and whose recomputation would then run compiled: a dropout would draw another mask.
+
+`compiled_layers` decides whether a model can take it (`unsupported_reason`); the results are the eager ones up to
+float rounding of fused kernels (tests: loss and every gradient against the eager modules).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..families import core_model
+from ..integrations.unsloth import uses_unsloth
+from ..modes import checkpointing_mode
+from .quantized_generation import is_quantized_linear
+
+__all__ = ["COMPILED_CHILDREN", "CompiledLayers", "detach_all", "unsupported_reason"]
+
+logger = logging.getLogger(__name__)
+
+# The children of a checkpointable layer that are compiled (the attention and the MLP of transformers' layers).
+COMPILED_CHILDREN = ("self_attn", "mlp")
+
+
+def _checkpointable_layers(model: nn.Module) -> list[nn.Module]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why the layers of `model` are left uncompiled (None: they can be compiled)."""
+    if not _checkpointable_layers(model):
+        return "the model has no transformers GradientCheckpointingLayer layers"
+    if uses_unsloth(model):
+        return "Unsloth patches the layers' forwards with its own kernels"
+    if any(is_quantized_linear(m) for m in model.modules()):
+        return "4-bit / 8-bit (bitsandbytes) layers do not compile"
+    if any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()):
+        return "modules of the model are already compiled"
+    quantizer = getattr(core_model(model), "hf_quantizer", None)
+    if quantizer is not None and not quantizer.is_compileable:
+        return f"{type(quantizer).__name__} weights cannot be compiled"
+    if checkpointing_mode(model) == "reentrant":
+        return "reentrant checkpointing runs the first forward without gradients (eager), the recomputation compiled"
+    return None
+
+
+@functools.cache
+def _compiled(forward: Any) -> Any:
+    # One compiled function per class forward, shared by every instance. `dynamic=None`: static shapes first, then
+    # dynamic once a second length shows up (the packed rows' length changes every step), so two compilations.
+    return torch.compile(forward, dynamic=None)
+
+
+class CompiledLayers:
+    """Compiled attention / MLP forwards on a model's layers (`attach`), removable (`detach`)."""
+
+    def __init__(self) -> None:
+        self.modules: list[nn.Module] = []
+
+    def attach(self, model: nn.Module) -> int:
+        """Give the `COMPILED_CHILDREN` of every checkpointable layer of `model` their compiled training forward;
+        returns how many modules have one. Idempotent; a module whose forward someone else replaced is left alone."""
+        for layer in _checkpointable_layers(model):
+            for name in COMPILED_CHILDREN:
+                child = getattr(layer, name, None)
+                if isinstance(child, nn.Module) and "forward" not in child.__dict__:
+                    child.forward = _TrainingForward(child)
+                    self.modules.append(child)
+        return len(self.modules)
+
+    def detach(self) -> None:
+        """Put the modules' own forwards back."""
+        for child in self.modules:
+            _remove(child)
+        self.modules = []
+
+
+def detach_all(model: nn.Module) -> int:
+    """Remove every compiled training forward from `model`, whoever attached it (a trainer that used the model
+    before); returns how many were removed."""
+    removed = [m for m in model.modules() if isinstance(m.__dict__.get("forward"), _TrainingForward)]
+    for module in removed:
+        _remove(module)
+    return len(removed)
+
+
+def _remove(module: nn.Module) -> None:
+    if isinstance(module.__dict__.get("forward"), _TrainingForward):  # ours only: another forward stays
+        del module.__dict__["forward"]
+
+
+class _TrainingForward:
+    """A module's forward: its class's compiled forward when gradients are on (and nothing else is compiling), its
+    own forward otherwise."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.forward = type(module).forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            return _compiled(self.forward)(self.module, *args, **kwargs)
+        return self.forward(self.module, *args, **kwargs)
