@@ -28,7 +28,6 @@ float rounding of fused kernels (tests: loss and every gradient against the eage
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any
 
 import torch
@@ -40,8 +39,6 @@ from ..modes import checkpointing_mode
 from .quantized_generation import is_quantized_linear
 
 __all__ = ["COMPILED_CHILDREN", "CompiledLayers", "detach_all", "unsupported_reason"]
-
-logger = logging.getLogger(__name__)
 
 # The children of a checkpointable layer that are compiled (the attention and the MLP of transformers' layers).
 COMPILED_CHILDREN = ("self_attn", "mlp")
