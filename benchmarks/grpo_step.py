@@ -168,6 +168,69 @@ def _timed(base):
     return Timed
 
 
+def _sampler_gap_trl(base):
+    """Plain TRL with its own generate-vs-score gap measured (`docs/benchmarks.md`): a last logits processor keeps
+    each step's processed scores, normalised, and reads the sampled token's log-prob from them once the next step
+    shows which token was drawn (one [B, V] buffer, no per-step history); the loss's log-probs of a batch's first use
+    are compared with them as the trainer logs its own (`vlm_grpo.sampler_logprobs.log_logp_gap`)."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    from vlm_grpo.sampler_logprobs import log_logp_gap
+
+    class Recorder:
+        def __init__(self):
+            self.last, self.taken, self.width = None, [], None
+
+        def __call__(self, input_ids, scores):
+            if self.width is None:
+                self.width = input_ids.shape[1]
+            if self.last is not None:
+                self.taken.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))
+            self.last = scores.float().log_softmax(-1)
+            return scores
+
+    class GapTRL(base):
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+            recorder = Recorder()
+            model = self.accelerator.unwrap_model(self.model)
+            generate = model.generate
+
+            def recording_generate(*a, **k):
+                sequences = generate(*a, logits_processor=LogitsProcessorList([recorder]), **k)
+                last_token = sequences[:, -1:]
+                recorder.taken.append(recorder.last.gather(1, last_token).squeeze(1))
+                return sequences
+
+            model.generate = recording_generate
+            try:
+                ids, _ = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                       has_tool_images)  # fmt: skip
+            finally:
+                del model.generate
+            taken = torch.stack(recorder.taken, dim=1).cpu()  # [B, new tokens]
+            return ids, [taken[row, : len(row_ids)].tolist() for row, row_ids in enumerate(ids)]
+
+        def _compute_loss(self, model, inputs):
+            self._gap_scored = []
+            try:
+                loss = super()._compute_loss(model, inputs)
+            finally:
+                scored, self._gap_scored = self._gap_scored, None
+            if scored and "sampling_per_token_logps" in inputs:
+                reference = inputs.get("old_per_token_logps", scored[0])
+                log_logp_gap(self, reference, inputs["sampling_per_token_logps"], inputs["completion_mask"])
+            return loss
+
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            if getattr(self, "_gap_scored", None) is not None:
+                self._gap_scored.append(result[0])
+            return result
+
+    return GapTRL
+
+
 def _callback(records: list, args_profile_step: int = 0):
     import torch
     from torch.profiler import record_function
@@ -296,7 +359,7 @@ def run_worker(args) -> None:
         if trainer_name == "trl-static":
             common["cache_implementation"] = "static"
         peft_config = None if args.full else LoraConfig(r=16, lora_alpha=16, target_modules="all-linear")
-        trainer = _timed(GRPOTrainer)(model, [_reward], args=GRPOConfig(**common), train_dataset=dataset,
+        trainer = _timed(_sampler_gap_trl(GRPOTrainer))(model, [_reward], args=GRPOConfig(**common), train_dataset=dataset,
                                       processing_class=processor, peft_config=peft_config, callbacks=[timer])  # fmt: skip
     timer.trainer = trainer
     if args.profile_step:
@@ -317,7 +380,10 @@ def run_worker(args) -> None:
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     import torch._dynamo.utils
 
+    gaps = [(h["sampling/sampling_logp_difference/mean"], h["sampling/sampling_logp_difference/max"])
+            for h in trainer.state.log_history if "sampling/sampling_logp_difference/mean" in h]
     result = {"trainer": trainer_name, "load_s": load_s, "steps": records, "losses": losses, "mean_lengths": lengths,
+              "sampler_gap": gaps,
               "params": sum(p.numel() for p in trainer.model.parameters()),
               "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
               "fast_generation": dict(getattr(getattr(trainer, "fast_generator", None), "stats", {})),
@@ -445,9 +511,17 @@ def main(argv=None) -> None:
                 {"steps": steps, "compiled_graphs": name_runs[0].get("compiled_graphs", 0)}, args
             )
             summaries[name]["quantized_generation"] = name_runs[0].get("quantized_generation") or {}
+            gaps = [g for r in name_runs for g in r.get("sampler_gap", [])]
+            if gaps:  # |scored - sampled| log-prob per completion token: median of the steps' means, largest max
+                summaries[name]["sampler_gap"] = {"mean": statistics.median(g[0] for g in gaps),
+                                                  "max": max(g[1] for g in gaps)}  # fmt: skip
     table = _markdown(summaries, args, env)
     for name, why in failures.items():
         table += f"| {name} | failed: {why} |\n"
+    gaps = {name: summary["sampler_gap"] for name, summary in summaries.items() if "sampler_gap" in summary}
+    if gaps:
+        table += "\n| trainer | sampler gap: mean abs log-prob | max |\n|---|---|---|\n"
+        table += "".join(f"| {name} | {g['mean']:.2e} | {g['max']:.2e} |\n" for name, g in gaps.items())
     for name, summary in summaries.items():
         if q := summary["quantized_generation"]:
             table += (f"\n{name}: quantised layers generate in {q['mode']} mode ({q['layers']} layers, "

@@ -123,3 +123,14 @@ def write_video(path, n: int = 10, fps: int = 8, size: tuple[int, int] = (32, 32
             container.mux(stream.encode(frame))
         container.mux(stream.encode())
     return str(path)
+
+
+def trl_logps(trainer, model, *args, **kwargs):
+    """TRL's own per-row `_get_per_token_logps_and_entropies` on `model`, scoring as the trainer does: the ids the
+    sampler never picks out of the softmax (`vlm_grpo.blocked_tokens`)."""
+    from trl import GRPOTrainer
+
+    from vlm_grpo.blocked_tokens import scoring_as_sampled
+
+    with scoring_as_sampled(trainer, model):
+        return GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, *args, **kwargs)

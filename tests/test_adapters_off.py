@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import trl_logps
 from datasets import Dataset
 from test_shared_prefix import COLORS, MULTIMODAL, _rows, _zero_reward
-from trl import GRPOTrainer
 from trl.trainer.utils import use_adapter
 
 from vlm_grpo.engine.adapters_off import AdaptersOff, layers_to_switch
@@ -55,7 +55,7 @@ def test_reference_log_probs_are_peft_disable_adapters(tiny_dir, tmp_path):
         ours, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, **inputs)
         assert layers and not any(layer.disable_adapters for layer in layers)  # every flag put back
         with use_adapter(model, None):  # TRL's own reference for a fresh adapter
-            peft_reference, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, **inputs)
+            peft_reference, _, _ = trl_logps(trainer, model, **inputs)
         frozen.requires_grad_(False)
         policy, _, _ = trainer._get_per_token_logps_and_entropies(model, **inputs)
     mask = inputs["attention_mask"][:, -inputs["logits_to_keep"] :].bool()

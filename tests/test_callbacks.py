@@ -204,3 +204,65 @@ def test_library_bars_off_hides_transformers_bars_inside_and_restores_them_after
         assert not transformers_logging.is_progress_bar_enabled()
     finally:
         transformers_logging.enable_progress_bar()
+
+
+def test_summaries_show_none_and_nan_as_a_dash(capsys, tmp_path):
+    # TRL logs `reward` None (NaN before logging) when no reward function scored a step.
+    logs = {"reward": None, "rewards/choice/mean": float("nan"), "rewards/format/mean": 0.5, "kl": None}
+    assert reward_summary(logs, "choice") == {"reward": "–", "acc": "–", "format": "0.500", "kl": "–"}
+    state = type("State", (), {"is_world_process_zero": True, "global_step": 3, "max_steps": 9})()
+    RewardPrinter().on_log(None, state, None, logs=logs)
+    assert capsys.readouterr().out.strip() == "step 3/9  reward –  choice –  format 0.500  kl –"
+    plot = LivePlotCallback(notebook=False)
+    plot.on_log(None, state, None, logs=logs)
+    assert list(plot.history) == ["format"]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"step": 1, "reward": None}) + "\n" + json.dumps({"step": 2, "reward": 0.5}) + "\n")
+    plot_reward_curve(metrics, tmp_path / "curve.png", title="t")
+    assert Image.open(tmp_path / "curve.png").size[0] > 100
+
+
+def _none_reward_trainer(tiny_dir, tmp_path, reward_funcs, **config):
+    model, processor = FastVisionModel.from_pretrained(
+        tiny_dir("qwen2_5_vl", words=answer_words("color", 1)), full_finetuning=True
+    )
+    args = VLMGRPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=3, num_generations=3, max_completion_length=8,
+        learning_rate=0.1, max_steps=2, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, seed=0,
+        **config,
+    )  # fmt: skip
+    # The progress bar on (TRL's tests run with it): the callback that formats the logged reward.
+    assert not args.disable_tqdm
+    return VLMGRPOTrainer(model, reward_funcs, args=args, train_dataset=_dataset(), processing_class=processor)
+
+
+def _applicable_reward_func(completions, **kwargs):
+    """Rewards longer completions."""
+    return [float(len(str(completion))) for completion in completions]
+
+
+def _non_applicable_reward_func(completions, **kwargs):
+    """Not applicable to any sample."""
+    return [None] * len(completions)
+
+
+@pytest.mark.trains
+def test_trl_multiple_reward_funcs_with_none_output_train(tiny_dir, tmp_path):
+    # TRL's `test_train_multiple_reward_funcs_with_None_output`, on this trainer.
+    trainer = _none_reward_trainer(
+        tiny_dir, tmp_path, [_applicable_reward_func, _non_applicable_reward_func], reward_weights=[0.7, 0.3]
+    )
+    before = {n: p.clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    assert any(not p.equal(trainer.model.get_parameter(n)) for n, p in before.items())
+
+
+@pytest.mark.trains
+def test_trl_warning_raised_all_rewards_none(tiny_dir, tmp_path, caplog):
+    # TRL's `test_warning_raised_all_rewards_none`: a warning, and the run (with its progress bar) finishes.
+    trainer = _none_reward_trainer(tiny_dir, tmp_path, [_non_applicable_reward_func])
+    with caplog.at_level("WARNING", logger="trl.trainer.grpo_trainer"):
+        trainer.train()
+    assert "All reward functions returned None for the following kwargs:" in caplog.text
+    assert trainer.state.global_step == 2

@@ -625,6 +625,23 @@ def constant_reward(prompts, completions, **kwargs):
     return [1.0] * len(completions)
 
 
+def none_reward(prompts, completions, **kwargs):
+    """Not applicable to any row (TRL's None): no step is scored (imported by path in the test below)."""
+    return [None] * len(completions)
+
+
+@pytest.mark.trains
+def test_a_reward_returning_none_for_every_row_runs_to_the_end(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "run"
+    flags = ["--output_dir", str(out), "--reward_funcs", "test_cli:none_reward", "--train_size", "8", "--test_size",
+             "2", *TINY_RUN]  # fmt: skip
+    assert main(flags) == 0
+    steps = [r for r in _metrics(out) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["reward"] is None for r in steps)
+    assert (out / "final").is_dir() and (out / "reward_curve.png").is_file()
+
+
 @pytest.mark.trains
 def test_dynamic_sampling_from_the_command_line(tmp_path, capsys, monkeypatch):
     monkeypatch.syspath_prepend(os.path.dirname(os.path.abspath(__file__)))
@@ -661,6 +678,10 @@ def test_your_own_colour_data_learns_offline_with_the_default_tiny_model(tmp_pat
     assert all(tokenizer.tokenize(word) == [word] for word in [*COLOURS, "square", "colour"])
     results = json.loads((out / "eval.json").read_text())
     assert results["before/accuracy"] <= 0.2 and results["after/accuracy"] >= 0.8, results
+    # The loss scores the sampler's distribution (blocked ids out of its softmax): the KL to the reference stays
+    # small. Scored over the full softmax, the suppressed image token became a sink and the KL passed 1e5 by step 360.
+    kls = [record["kl"] for record in _metrics(out) if "kl" in record]
+    assert len(kls) >= 10 and max(kls) < 10, kls
 
 
 @pytest.mark.trains

@@ -50,7 +50,13 @@ def _cut_completions(batch: dict, width: int) -> dict:
     """The batch with its completions cut to `width` tokens (still a valid batch: completions are right-padded)."""
     prompt_width = batch["prompt_ids"].shape[1]
     out = dict(batch)
-    for key in ("completion_ids", "completion_mask", "old_per_token_logps", "ref_per_token_logps"):
+    for key in (
+        "completion_ids",
+        "completion_mask",
+        "old_per_token_logps",
+        "ref_per_token_logps",
+        "sampling_per_token_logps",
+    ):
         if key in out:
             out[key] = out[key][:, :width]
     for key in ("token_type_ids", "mm_token_type_ids"):

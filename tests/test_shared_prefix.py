@@ -4,10 +4,9 @@ import math
 
 import pytest
 import torch
-from conftest import colour_rows
+from conftest import colour_rows, trl_logps
 from datasets import Dataset
 from PIL import Image
-from trl import GRPOTrainer
 from trl.trainer.utils import shuffle_sequence_dict, split_pixel_values_by_grid, unsplit_pixel_values_by_grid
 
 from vlm_grpo.compat import checkpointing_settings
@@ -79,9 +78,7 @@ def _batch(trainer, family):
 def _logps(trainer, inputs, plain, batch_size=None):
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    method = (
-        GRPOTrainer._get_per_token_logps_and_entropies if plain else VLMGRPOTrainer._get_per_token_logps_and_entropies
-    )
+    method = trl_logps if plain else VLMGRPOTrainer._get_per_token_logps_and_entropies
     logps, entropies, _ = method(
         trainer, trainer.model, input_ids, attention_mask, inputs["completion_ids"].size(1), batch_size=batch_size,
         compute_entropy=True, **{k: inputs[k] for k in MULTIMODAL if k in inputs},

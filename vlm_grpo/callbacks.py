@@ -258,18 +258,30 @@ class LivePlotCallback(TrainerCallback):
             self._handle.update(image)
 
 
+def _shown(value: Any, spec: str) -> str:
+    """`value` formatted by `spec`; `–` for a value that is not a finite number (TRL logs None or NaN for a reward no
+    function scored)."""
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return format(value, spec)
+    return "–"
+
+
 def reward_summary(logs: dict[str, Any], accuracy: str | None = None) -> dict[str, str]:
     """The few numbers worth watching in a training log record: the mean reward, each reward function's mean (the
-    one named `accuracy` shown as `acc`) and the KL, formatted."""
+    one named `accuracy` shown as `acc`) and the KL, formatted (`–` where a value is None or NaN).
+
+    >>> reward_summary({"reward": None, "rewards/score/mean": float("nan"), "kl": 0.0123})
+    {'reward': '–', 'score': '–', 'kl': '0.0123'}
+    """
     shown = {}
     if "reward" in logs:
-        shown["reward"] = f"{logs['reward']:.3f}"
+        shown["reward"] = _shown(logs["reward"], ".3f")
     for key, value in logs.items():
         if key.startswith("rewards/") and key.endswith("/mean"):
             name = key[len("rewards/") : -len("/mean")]
-            shown["acc" if name == accuracy else name[:16]] = f"{value:.3f}"
+            shown["acc" if name == accuracy else name[:16]] = _shown(value, ".3f")
     if "kl" in logs:
-        shown["kl"] = f"{logs['kl']:.3g}"
+        shown["kl"] = _shown(logs["kl"], ".3g")
     return shown
 
 
@@ -330,7 +342,7 @@ def plot_reward_curve(
     with open(metrics_path) as f:
         for line in f:
             record = json.loads(line)
-            if "reward" in record:
+            if isinstance(record.get("reward"), (int, float)):  # null: no reward function scored that step
                 steps.append(record["step"])
                 rewards.append(record["reward"])
     fig = Figure(figsize=(6, 3.5))

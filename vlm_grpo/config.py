@@ -155,6 +155,14 @@ class VLMGRPOConfig(GRPOConfig):
                   "one layer's memory; slower). 'auto': 'copy' when it fits with a quarter of the GPU left for "
                   "training, else 'light' (logged).", "choices": list(QUANTIZED_MODES)},
     )  # fmt: skip
+    fast_generation_importance_sampling: bool = field(
+        default=False,
+        metadata={"help": "Correct the fast path's sampler/scorer mismatch with TRL's vLLM importance sampling "
+                  "(vllm_importance_sampling_mode, _clip_min, _clip_max apply; see vlm_grpo.sampler_logprobs). Costs "
+                  "one more policy forward per generation batch. Off: the loss scores the sampler's own distribution "
+                  "(blocked ids excluded) and the remaining gap, bf16 rounding and top-k/p truncation, is logged as "
+                  "sampling/sampling_logp_difference."},
+    )  # fmt: skip
     packed_vision_attention: bool = field(
         default=True,
         metadata={"help": "Qwen-VL vision towers (sdpa): attend to all windows of one length in one batched call "
@@ -213,6 +221,11 @@ class VLMGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"fast_generation_quantized must be one of {', '.join(QUANTIZED_MODES)}, "
                 f"got {self.fast_generation_quantized!r}."
+            )
+        if self.fast_generation_importance_sampling and not self.vllm_importance_sampling_correction:
+            raise ValueError(
+                "fast_generation_importance_sampling=True applies TRL's vLLM importance sampling to the fast path, "
+                "but vllm_importance_sampling_correction=False turns it off: set it to True (TRL's default)."
             )
         super().__post_init__()
         self._check_dynamic_sampling()

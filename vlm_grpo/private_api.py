@@ -36,6 +36,7 @@ __all__ = [
     "eos_tokens",
     "generation_position_ids",
     "logits_processors",
+    "merged_generation_config",
     "prepare_generation",
     "signature_drift",
 ]
@@ -83,7 +84,8 @@ OVERRIDDEN: tuple[PrivateMethod, ...] = (
 )
 _GENERATION = "transformers:GenerationMixin"
 CALLED: tuple[PrivateMethod, ...] = (
-    PrivateMethod(_GENERATION, "_prepare_generation_config", ("generation_config", "kwargs"), "prepare_generation"),
+    PrivateMethod(_GENERATION, "_prepare_generation_config", ("generation_config", "kwargs"),
+                  "prepare_generation, merged_generation_config"),
     PrivateMethod(_GENERATION, "_prepare_special_tokens",
                   ("generation_config", "kwargs_has_attention_mask", "device", "batch_size"), "prepare_generation"),
     PrivateMethod(_GENERATION, "_get_logits_processor",
@@ -143,6 +145,12 @@ def prepare_generation(model: Any, generation_config: Any, device: torch.device)
     config, model_kwargs = model._prepare_generation_config(generation_config)
     model._prepare_special_tokens(config, True, device=device)
     return config, model_kwargs
+
+
+def merged_generation_config(model: Any, generation_config: Any) -> Any:
+    """`generation_config` with the model's own generation defaults filled in where it leaves a field unset: the
+    settings `generate` (and the fast path, through `prepare_generation`) samples with."""
+    return model._prepare_generation_config(generation_config)[0]
 
 
 def eos_tokens(config: Any) -> torch.Tensor:

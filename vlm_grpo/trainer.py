@@ -50,6 +50,7 @@ from transformers import ProgressCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
 
+from .blocked_tokens import check_blocking_settings, scoring_as_sampled, suppress_token
 from .callbacks import RewardProgressBar, library_bars_off
 from .checkpoints import load_full_weights, newest_complete_checkpoint
 from .compat import (
@@ -69,6 +70,7 @@ from .engine.sharded import full_weights
 from .engine.sharded import unsupported_reason as sharded_unsupported_reason
 from .engine.shared_prefix import SharedPrefixUnsupported, shared_prefix_logps
 from .engine.vision_attention import pack_vision_attention
+from .families import core_model
 from .files import CheckpointModesCallback
 from .hooks import enable_requires_grad_hooks
 from .image_sizes import add_image_sizes
@@ -76,11 +78,13 @@ from .integrations.unsloth import maybe_patch_for_model
 from .model import FastBaseVisionModel
 from .modes import checkpointing_mode, checkpointing_off, generating, set_checkpointing
 from .pixel_budget import apply_pixel_budget
+from .private_api import merged_generation_config
 from .processing import check_video_support, holds_clips, row_vision_inputs, tokenize_clip_prompts
 from .processor import load_processor
 from .prompts import video_column
 from .reward_checks import checked_reward_func
 from .rows import check_dataset, prepare_row, rows_for_rewards
+from .sampler_logprobs import log_logp_gap, loss_as_vllm, mark_sampled, sampled_as_vllm
 from .video_budget import apply_video_budget
 
 __all__ = ["VLMGRPOConfig", "VLMGRPOTrainer"]
@@ -177,16 +181,6 @@ def _refuse_clip_settings(args: Any, kwargs: dict[str, Any]) -> None:
             f"The rows have clips, but {found[0]} takes images only and would train without them. Turn it off for "
             "video training (the in-process fast generation and shared-prefix paths serve clips)."
         )
-
-
-def _suppress_token(trainer: Any, token_id: int | None) -> None:
-    """Add `token_id` to the tokens generation never samples (TRL's generation config and kwargs)."""
-    if token_id is None:
-        return
-    suppressed = list(trainer.generation_kwargs.get("suppress_tokens") or [])
-    if token_id not in suppressed:
-        trainer.generation_kwargs["suppress_tokens"] = [*suppressed, token_id]
-        trainer.generation_config.suppress_tokens = [*suppressed, token_id]
 
 
 class _WithInputs:
@@ -306,7 +300,8 @@ class VLMGRPOTrainer(GRPOTrainer):
             )
         unwrapped = self.accelerator.unwrap_model(self.model)
         if with_clips:  # as TRL suppresses the image token: a sampled video token would have no features behind it
-            _suppress_token(self, getattr(unwrapped.config, "video_token_id", None))
+            suppress_token(self, getattr(unwrapped.config, "video_token_id", None))
+        check_blocking_settings(merged_generation_config(core_model(unwrapped), self.generation_config))
         _apply_configured_checkpointing(unwrapped, args)
         if fresh_adapter and "ref" in getattr(unwrapped, "peft_config", {}):
             unwrapped.delete_adapter("ref")
@@ -423,9 +418,9 @@ class VLMGRPOTrainer(GRPOTrainer):
         inputs = add_image_sizes(inputs, self.processing_class)  # grounding rewards map boxes back
         self._vision_rows = None  # set by `_tokenize_prompts` for a batch with clips
         try:
-            with (
-                quiet_third_party_checkpointing_deprecations()
-            ):  # TRL's step reads transformers' old checkpointing name
+            # TRL's step reads transformers' old checkpointing name; the fast path's importance sampling runs as TRL's
+            # for vLLM (`vlm_grpo.sampler_logprobs`).
+            with quiet_third_party_checkpointing_deprecations(), sampled_as_vllm(self):
                 output = super()._generate_and_score_completions(inputs)
             if self._vision_rows is not None:
                 output[VISION_ROWS] = self._vision_rows
@@ -437,10 +432,21 @@ class VLMGRPOTrainer(GRPOTrainer):
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Any:
         # TRL passes the model only the inputs it knows by name; a batch's clips travel under VISION_ROWS.
         self._vision_rows = inputs.get(VISION_ROWS)
+        self._scored_logps = []  # the policy's log-probs, for the sampler gap (`vlm_grpo.sampler_logprobs`)
         try:
-            return super()._compute_loss(model, inputs)
+            with loss_as_vllm(self, inputs):
+                loss = super()._compute_loss(model, inputs)
         finally:
-            self._vision_rows = None
+            self._vision_rows, scored, self._scored_logps = None, self._scored_logps, None
+        if "sampling_per_token_logps" in inputs and "importance_sampling_ratio" not in inputs and scored:
+            # TRL logs the gap itself when it corrects for it; else it is the loss's log-probs against the sampler's,
+            # on the policy that sampled (the batch's first use, or TRL's old log-probs where it computed them).
+            mask = (
+                inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
+            )
+            reference = inputs.get("old_per_token_logps", scored[0])
+            log_logp_gap(self, reference, inputs["sampling_per_token_logps"], mask)
+        return loss
 
     def _tokenize_prompts(self, prompts: list):
         if holds_clips(prompts):
@@ -475,6 +481,7 @@ class VLMGRPOTrainer(GRPOTrainer):
         prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images = (
             super()._generate(prompts)
         )
+        mark_sampled(self, logprobs)
         if self._vision_rows is not None:
             images = None  # TRL would process the images without the clips; the rows carry both (`_vision_rows`)
         elif images is not None and any(images):
@@ -545,7 +552,7 @@ class VLMGRPOTrainer(GRPOTrainer):
                 full_weights(self.model_wrapped) if self.is_fsdp_enabled else contextlib.nullcontext(),
             ):
                 try:
-                    completion_ids = self.fast_generator.generate(
+                    completion_ids, logprobs = self.fast_generator.generate(
                         model,
                         prompt_ids,
                         images,
@@ -556,8 +563,9 @@ class VLMGRPOTrainer(GRPOTrainer):
                         # them after it); not where the weights are resharded on leaving these contexts, nor under
                         # torch_compile (Dynamo does not run the hooks that make each layer wait for its weight).
                         defer_restore=not (self.is_fsdp_enabled or self._is_zero3 or self.args.torch_compile),
+                        return_logprobs=True,
                     )
-                    return completion_ids, None
+                    return completion_ids, logprobs
                 except FastPathUnavailable as error:
                     reason = str(error)
         if reason not in self._fast_generation_fallbacks:  # say it once per reason, not every step
@@ -566,6 +574,7 @@ class VLMGRPOTrainer(GRPOTrainer):
         return None
 
     shared_prefix_calls: int = 0  # log-prob computations served by the shared-prefix path
+    _scored_logps: list[torch.Tensor] | None = None  # set by `_compute_loss` while it runs
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
@@ -577,6 +586,21 @@ class VLMGRPOTrainer(GRPOTrainer):
                     policy, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                     compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **model_inputs,
                 )  # fmt: skip
+        # The ids the sampler never picks are out of the softmax, for the policy and the reference alike
+        # (`vlm_grpo.blocked_tokens`): TRL's fused LM head, which every path below scores with, gives them 0.
+        with scoring_as_sampled(self, model):
+            result = self._logps_by_path(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                model_inputs,
+            )  # fmt: skip
+        if self._scored_logps is not None:  # inside `_compute_loss`: the policy's, kept for the sampler gap
+            self._scored_logps.append(result[0])
+        return result
+
+    def _logps_by_path(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+        model_inputs,
+    ):  # fmt: skip
         # Each group's prompt and images computed once (vlm_grpo.engine.shared_prefix), else TRL's per-row forward.
         rows = self._vision_rows
         if rows is not None:  # a batch with clips: its vision inputs (images too) come from the rows, not from TRL

@@ -226,8 +226,11 @@ class FastGenerator:
         generation_config: Any,
         pad_token_id: int,
         defer_restore: bool = False,
-    ) -> list[list[int]]:
-        """Complete every prompt; returns each row's completion ids up to and including its first EOS.
+        return_logprobs: bool = False,
+    ) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
+        """Complete every prompt; returns each row's completion ids up to and including its first EOS (with
+        `return_logprobs`, also the sampler's log-prob of each of those tokens: over the processed scores, so the
+        temperature, suppressed ids and top-k/p included).
 
         `prompt_ids`, `images` and `multimodal_fields` are what TRL's `_tokenize_prompts` returns (for a batch with
         clips, the trainer's: each row's images and clips in `images`); `generation_config` is the trainer's (TRL's
@@ -260,14 +263,14 @@ class FastGenerator:
                 if fused is not None:
                     fused.fill()
                 with fused.swapped() if fused is not None else contextlib.nullcontext():
-                    rows = self._generate(base, device, prompt_ids, unique, inverse, unique_fields, generation_config,
-                                          pad_token_id)  # fmt: skip
+                    rows, logprobs = self._generate(base, device, prompt_ids, unique, inverse, unique_fields,
+                                                    generation_config, pad_token_id)  # fmt: skip
         except QuantizedGenerationUnsupported as error:  # raised before anything was swapped or generated
             raise FastPathUnavailable(str(error)) from error
         self.stats["calls"] += 1
         self.stats["rows"] += len(prompt_ids)
         self.stats["prefill_rows"] += len(unique)
-        return rows
+        return (rows, logprobs) if return_logprobs else rows
 
     def _generate(self, model, device, prompt_ids, unique, inverse, unique_fields, generation_config, pad_id):
         from transformers import DynamicCache
@@ -354,11 +357,12 @@ class FastGenerator:
                 steps = index_of_token + 1
         self.stats["decode_steps"] += steps
 
-        tokens = buffers.tokens
-        completions = tokens[:, width : width + steps]
+        completions = buffers.tokens[:, width : width + steps]
         is_eos = torch.isin(completions, eos)
-        first = torch.where(is_eos.any(1), is_eos.int().argmax(1), completions.shape[1])
-        return [row[: end + 1].tolist() for row, end in zip(completions.cpu(), first.cpu().tolist())]
+        ends = torch.where(is_eos.any(1), is_eos.int().argmax(1), completions.shape[1]).cpu().tolist()
+        logprobs = buffers.logprobs[:, width : width + steps].cpu()
+        ids = [row[: end + 1].tolist() for row, end in zip(completions.cpu(), ends)]
+        return ids, [row[: end + 1].tolist() for row, end in zip(logprobs, ends)]
 
     def _static_cache(self, model: nn.Module, batch: int, cache_len: int) -> Any:
         """An empty static cache for (batch, cache_len), reused across calls: a CUDA graph replays only on the

@@ -138,9 +138,13 @@ class Sampler:
             chosen = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         else:
             chosen = scores.argmax(dim=-1)
+        # The sampler's log-prob of its pick: over the processed scores (temperature, suppressed ids, top-k/p), as
+        # vLLM's "processed_logprobs" are; the trainer compares the loss's scored log-probs with it.
+        logprob = scores.gather(1, chosen[:, None]).squeeze(1) - torch.logsumexp(scores, dim=-1)
         chosen = torch.where(buffers.unfinished, chosen, self.pad_id)
         buffers.next_tokens.copy_(chosen)
         buffers.tokens.index_copy_(1, buffers.column, chosen[:, None])
+        buffers.logprobs.index_copy_(1, buffers.column, logprob[:, None])
         buffers.column.add_(1)
         buffers.unfinished.logical_and_(~torch.isin(chosen, self.eos))
 
@@ -159,6 +163,7 @@ class DecodeBuffers:
     slot: torch.Tensor  # [1]: the cache slot that token is written to
     mask: torch.Tensor  # [B, cache_len]: 1 for the slots written so far
     tokens: torch.Tensor  # [B, cache_len]: the prompt, then the completion
+    logprobs: torch.Tensor  # [B, cache_len] float32: the sampler's log-prob of each completion token (where sampled)
     column: torch.Tensor  # [1]: where in `tokens` the next sampled token goes
     prompt_width: torch.Tensor  # [1]: the prompts' padded width, where the completion starts in `tokens`
     unfinished: torch.Tensor  # [B] bool: no EOS sampled yet
@@ -175,6 +180,7 @@ class DecodeBuffers:
             slot=torch.zeros(1, **long),
             mask=torch.zeros(batch, cache_len, **long),
             tokens=torch.zeros(batch, cache_len, **long),
+            logprobs=torch.zeros(batch, cache_len, dtype=torch.float32, device=device),
             column=torch.zeros(1, **long),
             prompt_width=torch.zeros(1, **long),
             unfinished=torch.ones(batch, dtype=torch.bool, device=device),

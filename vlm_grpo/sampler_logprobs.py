@@ -1,0 +1,78 @@
+"""The sampler's log-probs beside the loss's: their gap logged every step, TRL's importance sampling on request.
+
+The fast generator returns the log-prob with which it sampled each token, over the processed scores (temperature,
+blocked ids, top-k / top-p), as vLLM's "processed_logprobs" are. With the blocked ids out of the loss's softmax too
+(`vlm_grpo.blocked_tokens`), what remains between the two is rounding (bf16 weights with LoRA merged, compiled
+kernels) and truncation (top-k / top-p, which the loss does not apply). Both are logged under TRL's names for the
+vLLM gap, `sampling/sampling_logp_difference/mean` and `/max` (|scored - sampled| over the completion tokens that
+enter the loss), measured on the policy that sampled: the loss's own log-probs of a batch's first use, or TRL's
+`old_per_token_logps` where it computes them.
+
+Importance sampling: TRL's vLLM correction (`vllm_importance_sampling_correction`, `vllm_importance_sampling_mode`,
+`vllm_importance_sampling_clip_min` / `_clip_max`) reweights each token's (or sequence's) loss by the scorer/sampler
+ratio, truncated or masked. TRL applies it only when `use_vllm` is set. With `fast_generation_importance_sampling=True`
+the same TRL code runs on the fast path's rollouts: the trainer reads as using vLLM from the end of the fast
+generation to the end of scoring (`sampled_as_vllm`), and in the loss of a batch that carries TRL's ratio
+(`loss_as_vllm`). It costs one more forward of the policy per generation batch (TRL scores the rollouts before
+training on them), which is why it is off by default: the gap it corrects is logged either way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["GAP_METRICS", "log_logp_gap", "loss_as_vllm", "mark_sampled", "sampled_as_vllm"]
+
+GAP_METRICS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max")
+
+
+def log_logp_gap(trainer: Any, scored: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor) -> None:
+    """Record |scored - sampled| over the tokens of `mask` in `trainer`'s metrics (mean and max over every process),
+    as TRL records the vLLM gap; tokens the sampler gave no log-prob (NaN) are left out."""
+    delta = (scored.detach().float() - sampled.float()).abs()
+    delta = delta[mask.bool() & ~torch.isnan(delta)]
+    zero = torch.zeros((), device=delta.device)
+    mean = delta.mean() if delta.numel() else zero
+    largest = delta.max() if delta.numel() else zero
+    metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+    metrics[GAP_METRICS[0]].append(trainer.accelerator.gather(mean).mean().item())
+    metrics[GAP_METRICS[1]].append(trainer.accelerator.gather(largest).max().item())
+
+
+def _correcting(trainer: Any) -> bool:
+    return bool(getattr(trainer.args, "fast_generation_importance_sampling", False)) and not trainer.args.use_vllm
+
+
+@contextlib.contextmanager
+def sampled_as_vllm(trainer: Any) -> Iterator[None]:
+    """A generation-and-scoring call: within it, once the fast path has sampled (`mark_sampled`), the trainer reads as
+    using vLLM, so TRL scores the rollouts and computes its importance-sampling ratio against the sampler's log-probs.
+    Restored on leaving."""
+    try:
+        yield
+    finally:
+        trainer.use_vllm = trainer.args.use_vllm
+
+
+def mark_sampled(trainer: Any, logprobs: Any) -> None:
+    """The fast path returned the sampler's `logprobs`: from here to the end of `sampled_as_vllm`, TRL's vLLM
+    importance sampling runs on them when `fast_generation_importance_sampling` asks for it."""
+    if logprobs is not None and _correcting(trainer):
+        trainer.use_vllm = True
+
+
+@contextlib.contextmanager
+def loss_as_vllm(trainer: Any, inputs: dict[str, Any]) -> Iterator[None]:
+    """The loss of a batch: TRL multiplies it by the batch's importance-sampling ratio when it reads as using vLLM."""
+    if "importance_sampling_ratio" not in inputs or trainer.args.use_vllm:
+        yield
+        return
+    trainer.use_vllm = True
+    try:
+        yield
+    finally:
+        trainer.use_vllm = trainer.args.use_vllm
