@@ -168,69 +168,6 @@ def _timed(base):
     return Timed
 
 
-def _sampler_gap_trl(base):
-    """Plain TRL with its own generate-vs-score gap measured (`docs/benchmarks.md`): a last logits processor keeps
-    each step's processed scores, normalised, and reads the sampled token's log-prob from them once the next step
-    shows which token was drawn (one [B, V] buffer, no per-step history); the loss's log-probs of a batch's first use
-    are compared with them as the trainer logs its own (`vlm_grpo.sampler_logprobs.log_logp_gap`)."""
-    import torch
-    from transformers import LogitsProcessorList
-
-    from vlm_grpo.sampler_logprobs import log_logp_gap
-
-    class Recorder:
-        def __init__(self):
-            self.last, self.taken, self.width = None, [], None
-
-        def __call__(self, input_ids, scores):
-            if self.width is None:
-                self.width = input_ids.shape[1]
-            if self.last is not None:
-                self.taken.append(self.last.gather(1, input_ids[:, -1:]).squeeze(1))
-            self.last = scores.float().log_softmax(-1)
-            return scores
-
-    class GapTRL(base):
-        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-            recorder = Recorder()
-            model = self.accelerator.unwrap_model(self.model)
-            generate = model.generate
-
-            def recording_generate(*a, **k):
-                sequences = generate(*a, logits_processor=LogitsProcessorList([recorder]), **k)
-                last_token = sequences[:, -1:]
-                recorder.taken.append(recorder.last.gather(1, last_token).squeeze(1))
-                return sequences
-
-            model.generate = recording_generate
-            try:
-                ids, _ = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                       has_tool_images)  # fmt: skip
-            finally:
-                del model.generate
-            taken = torch.stack(recorder.taken, dim=1).cpu()  # [B, new tokens]
-            return ids, [taken[row, : len(row_ids)].tolist() for row, row_ids in enumerate(ids)]
-
-        def _compute_loss(self, model, inputs):
-            self._gap_scored = []
-            try:
-                loss = super()._compute_loss(model, inputs)
-            finally:
-                scored, self._gap_scored = self._gap_scored, None
-            if scored and "sampling_per_token_logps" in inputs:
-                reference = inputs.get("old_per_token_logps", scored[0])
-                log_logp_gap(self, reference, inputs["sampling_per_token_logps"], inputs["completion_mask"])
-            return loss
-
-        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-            result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
-            if getattr(self, "_gap_scored", None) is not None:
-                self._gap_scored.append(result[0])
-            return result
-
-    return GapTRL
-
-
 def _callback(records: list, args_profile_step: int = 0):
     import torch
     from torch.profiler import record_function
@@ -340,6 +277,7 @@ def run_worker(args) -> None:
         from peft import LoraConfig
         from transformers import AutoModelForImageTextToText, AutoProcessor, BitsAndBytesConfig
         from trl import GRPOConfig, GRPOTrainer
+        from trl_gap import sampler_gap_trl
 
         kwargs = dict(dtype=torch.bfloat16, device_map={"": 0}) if on_gpu else {}
         if quantized["load_in_4bit"]:
@@ -353,13 +291,13 @@ def run_worker(args) -> None:
         if on_gpu:
             processor = AutoProcessor.from_pretrained(checkpoint, padding_side="left")
         else:  # no torchvision on CPU machines: AutoProcessor cannot build Qwen's video processor
-            from vlm_grpo.processor import load_processor
+            from vlm_grpo.media.processor import load_processor
 
             processor = load_processor(checkpoint, "qwen2_5_vl")
         if trainer_name == "trl-static":
             common["cache_implementation"] = "static"
         peft_config = None if args.full else LoraConfig(r=16, lora_alpha=16, target_modules="all-linear")
-        trainer = _timed(_sampler_gap_trl(GRPOTrainer))(model, [_reward], args=GRPOConfig(**common), train_dataset=dataset,
+        trainer = _timed(sampler_gap_trl(GRPOTrainer))(model, [_reward], args=GRPOConfig(**common), train_dataset=dataset,
                                       processing_class=processor, peft_config=peft_config, callbacks=[timer])  # fmt: skip
     timer.trainer = trainer
     if args.profile_step:
@@ -380,8 +318,11 @@ def run_worker(args) -> None:
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     import torch._dynamo.utils
 
-    gaps = [(h["sampling/sampling_logp_difference/mean"], h["sampling/sampling_logp_difference/max"])
-            for h in trainer.state.log_history if "sampling/sampling_logp_difference/mean" in h]
+    gaps = [
+        (h["sampling/sampling_logp_difference/mean"], h["sampling/sampling_logp_difference/max"])
+        for h in trainer.state.log_history
+        if "sampling/sampling_logp_difference/mean" in h
+    ]
     result = {"trainer": trainer_name, "load_s": load_s, "steps": records, "losses": losses, "mean_lengths": lengths,
               "sampler_gap": gaps,
               "params": sum(p.numel() for p in trainer.model.parameters()),
@@ -399,69 +340,9 @@ def run_worker(args) -> None:
 # ----------------------------------------------------------------------------------------------- orchestrator
 
 
-def _summary(run: dict, args) -> dict:
-    # `run["steps"]`: the warm-up step (compilation, allocator growth), then the measured ones; steps run under a
-    # profiler are not timed.
-    measured = [r for r in run["steps"][1:] if not r.get("profiled")] or run["steps"]
-    tokens = args.prompts * args.num_generations * args.completion_length
-    med = {
-        k: statistics.median(r[k] for r in measured)
-        for k in ("total_s", "generation_s", "scoring_s", "training_s", "peak_gib")
-    }
-    med["tokens_per_s"] = tokens / med["generation_s"] if med["generation_s"] else float("nan")
-    med["peak_gib"] = max(r["peak_gib"] for r in run["steps"])
-    med["warmup_s"] = run["steps"][0]["total_s"]
-    med["ms_per_token"] = 1000 * med["generation_s"] / args.completion_length  # prefill included: an upper bound
-    med["graphs"] = run.get("compiled_graphs", 0)
-    med["steps"] = len(run["steps"])
-    return med
-
-
-def _markdown(summaries: dict, args, env: dict) -> str:
-    media = (
-        f"{args.video_frames}-frame clip of {args.image_size}x{args.image_size}"
-        if args.video_frames
-        else (f"{args.image_size}x{args.image_size} image")
-    )
-    head = (f"{args.model}, {media}, {args.prompts} prompts x {args.num_generations} "
-            f"generations, {args.completion_length} new tokens, {'full' if args.full else 'LoRA r=16 all linear'}, "
-            f"gradient checkpointing {'off' if args.no_gradient_checkpointing else 'on'}, "
-            f"{'4-bit' if args.load_in_4bit else '8-bit' if args.load_in_8bit else 'bf16'}, beta {args.beta}"
-            f"{f', GPU memory capped at {args.memory_cap_gib:g} GiB' if args.memory_cap_gib else ''}; "
-            f"median of steps {args.warmup_steps + 1}..{args.steps} (TRL: 2..{args.steps_trl or args.steps})"
-            f"{f', step {args.profile_step}+ profiled, not timed' if args.profile_step else ''}")  # fmt: skip
-    versions = f"torch {env['torch']}, transformers {env['transformers']}, trl {env['trl']}, peft {env['peft']}"
-    columns = ("| trainer | step s | generation s | scoring s | training s | gen tok/s | ms/token | peak GiB "
-               "| warm-up step s | compiled graphs / steps |")  # fmt: skip
-    lines = [head, "", f"GPU: {env['gpu']}; {versions}", "", columns,
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for name, s in summaries.items():
-        lines.append(f"| {name} | {s['total_s']:.2f} | {s['generation_s']:.2f} | {s['scoring_s']:.2f} | "
-                     f"{s['training_s']:.2f} | {s['tokens_per_s']:.0f} | {s['ms_per_token']:.1f} | {s['peak_gib']:.1f} | "
-                     f"{s['warmup_s']:.1f} | {s['graphs']} / {s['steps']} |")  # fmt: skip
-
-    def ratio(a: float, b: float) -> str:
-        return f"{a / b:.2f}" if b else "n/a"
-
-    for mine in (n for n in summaries if n in VLM_VARIANTS):
-        ours = summaries[mine]
-        for base in ("trl", "trl-static", "trl-bf16", "vlm-grpo-off"):
-            if base in summaries and base != mine:
-                b = summaries[base]
-                keys = (
-                    "total_s",
-                    "generation_s",
-                    "scoring_s",
-                    "training_s",
-                    "tokens_per_s",
-                    "ms_per_token",
-                    "peak_gib",
-                )
-                lines.append(f"| ratio {mine} / {base} | " + " | ".join(ratio(ours[k], b[k]) for k in keys) + " | | |")
-    return "\n".join(lines) + "\n"
-
-
 def main(argv=None) -> None:
+    from step_report import markdown, summary
+
     args = parse_args(argv)
     if args.worker:
         run_worker(args)
@@ -507,23 +388,21 @@ def main(argv=None) -> None:
         if name_runs:  # each run's first steps are warm-up; the warm-up column shows the first run's first step
             warmup = args.warmup_steps if name in VLM_VARIANTS else 1  # TRL compiles nothing
             steps = name_runs[0]["steps"][:1] + [s for r in name_runs for s in r["steps"][warmup:]]
-            summaries[name] = _summary(
-                {"steps": steps, "compiled_graphs": name_runs[0].get("compiled_graphs", 0)}, args
-            )
+            summaries[name] = summary({"steps": steps, "compiled_graphs": name_runs[0].get("compiled_graphs", 0)}, args)
             summaries[name]["quantized_generation"] = name_runs[0].get("quantized_generation") or {}
             gaps = [g for r in name_runs for g in r.get("sampler_gap", [])]
             if gaps:  # |scored - sampled| log-prob per completion token: median of the steps' means, largest max
                 summaries[name]["sampler_gap"] = {"mean": statistics.median(g[0] for g in gaps),
                                                   "max": max(g[1] for g in gaps)}  # fmt: skip
-    table = _markdown(summaries, args, env)
+    table = markdown(summaries, args, env, VLM_VARIANTS)
     for name, why in failures.items():
         table += f"| {name} | failed: {why} |\n"
     gaps = {name: summary["sampler_gap"] for name, summary in summaries.items() if "sampler_gap" in summary}
     if gaps:
         table += "\n| trainer | sampler gap: mean abs log-prob | max |\n|---|---|---|\n"
         table += "".join(f"| {name} | {g['mean']:.2e} | {g['max']:.2e} |\n" for name, g in gaps.items())
-    for name, summary in summaries.items():
-        if q := summary["quantized_generation"]:
+    for name, run_summary in summaries.items():
+        if q := run_summary["quantized_generation"]:
             table += (f"\n{name}: quantised layers generate in {q['mode']} mode ({q['layers']} layers, "
                       f"{q['copy_gib']:.1f} GiB of 16-bit copies)\n")  # fmt: skip
     print(table, flush=True)

@@ -69,8 +69,8 @@ def processor():
     """Qwen2.5-VL processor: the real image processor settings, the local tokenizer, Qwen's chat template."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from vlm_grpo.processor import build_qwen_processor
-    from vlm_grpo.tiny import _QWEN_TEMPLATE
+    from vlm_grpo.media.processor import build_qwen_processor
+    from vlm_grpo.tiny.qwen import _QWEN_TEMPLATE
 
     image_processor = Qwen2VLImageProcessorPil(
         patch_size=14, merge_size=2, temporal_patch_size=2,

@@ -1,4 +1,4 @@
-"""`vlm_grpo.engine.batch_layout`: each family's processor outputs split over rows, and the groups of a batch.
+"""`vlm_grpo.media.batch_layout`: each family's processor outputs split over rows, and the groups of a batch.
 
 The check is the processor itself: the outputs `select_rows` cuts out of a batch must equal what the processor
 gives for those rows alone, on every tiny family (each lays its vision tensors out its own way).
@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from vlm_grpo.engine.batch_layout import ImageLayout, LayoutUnknown, distinct_prompts, group_rows, select_rows
-from vlm_grpo.processor import load_processor
+from vlm_grpo.media.batch_layout import ImageLayout, LayoutUnknown, distinct_prompts, group_rows, select_rows
+from vlm_grpo.media.processor import load_processor
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "idefics3"]
 

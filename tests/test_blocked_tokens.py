@@ -18,8 +18,8 @@ from vlm_grpo.blocked_tokens import BLOCKED_LOGIT, blocked_ids, check_blocking_s
 from vlm_grpo.compat import checkpointing_settings
 from vlm_grpo.data import answer_words
 from vlm_grpo.families import core_model
+from vlm_grpo.media.processing import row_vision_inputs
 from vlm_grpo.model import FastVisionModel
-from vlm_grpo.processing import row_vision_inputs
 from vlm_grpo.tiny import TINY_FAMILIES
 from vlm_grpo.trainer import VISION_ROWS, VLMGRPOConfig, VLMGRPOTrainer
 

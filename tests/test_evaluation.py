@@ -47,7 +47,7 @@ def test_evaluate_scores_generations_with_the_rewards(tiny_dir):
 
 
 def test_evaluate_budget_holds_for_the_call_only(tiny_dir):
-    from vlm_grpo.pixel_budget import processor_pixel_budget
+    from vlm_grpo.media.pixel_budget import processor_pixel_budget
 
     model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
     before = processor_pixel_budget(processor)

@@ -32,9 +32,9 @@ from vlm_grpo.families import (
     vision_tower_names,
 )
 from vlm_grpo.hooks import find_vision_tower
+from vlm_grpo.media.pixel_budget import resizes_by_pixel_budget
+from vlm_grpo.media.processor import QWEN_PROCESSORS, build_qwen_processor, load_processor
 from vlm_grpo.model import FastVisionModel
-from vlm_grpo.pixel_budget import resizes_by_pixel_budget
-from vlm_grpo.processor import QWEN_PROCESSORS, build_qwen_processor, load_processor
 from vlm_grpo.rewards.grounding import FRAMES, coordinate_frame_for
 
 ALL = list(FAMILIES)
@@ -214,7 +214,7 @@ def test_tables_derived_from_the_registry_agree_with_it():
         coordinate_frame_for("llava_next")
 
     assert QWEN_PROCESSORS == {t: f.processor_class for t, f in FAMILIES.items() if f.pixel_budget and f.supports_video}
-    assert tiny.TINY_FAMILIES == model_types(lambda f: f.tiny) == tuple(tiny._FAMILIES)
+    assert tiny.TINY_FAMILIES == model_types(lambda f: f.tiny) == tuple(tiny.build._BUILDERS)
     help_text = next(f.metadata["help"] for f in dataclasses.fields(cli.ScriptArguments) if f.name == "model")
     assert f"(families: {', '.join(tiny.TINY_FAMILIES)})" in help_text
     assert model_types(lambda f: f.rope == "mrope") == ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")

@@ -7,11 +7,10 @@ import io
 import pytest
 from PIL import Image
 
-from vlm_grpo.image_sizes import add_image_sizes
-from vlm_grpo.pixel_budget import PixelBudget, apply_pixel_budget
-from vlm_grpo.processor import load_processor
+from vlm_grpo.media.pixel_budget import PixelBudget, apply_pixel_budget
+from vlm_grpo.media.processor import load_processor
 from vlm_grpo.rewards import make_iou_reward
-from vlm_grpo.rows import prepare_row
+from vlm_grpo.rows import add_image_sizes, prepare_row
 
 
 def test_rows_get_source_and_fed_sizes_and_the_reward_maps_back(tiny_dir) -> None:

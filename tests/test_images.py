@@ -1,4 +1,4 @@
-"""Tests for vlm_grpo.images: loading every input kind, RGB normalisation, pixel budgets."""
+"""Tests for vlm_grpo.media.images: loading every input kind, RGB normalisation, pixel budgets."""
 
 from __future__ import annotations
 
@@ -10,13 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vlm_grpo.images import (
-    ImageError,
-    fit_pixel_budget,
-    load_image,
-    load_rgb_images,
-    normalize_image,
-)
+from vlm_grpo.media.images import ImageError, load_image, load_rgb_images, normalize_image
+from vlm_grpo.media.pixel_budget import fit_pixel_budget
 
 
 def _encode(img: Image.Image, fmt: str = "PNG", **kwargs: object) -> bytes:

@@ -56,8 +56,8 @@ def _peft_tiny(tiny_dir, reentrant=True):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText
 
+    from vlm_grpo.media.processor import load_processor
     from vlm_grpo.model import select_lora_modules
-    from vlm_grpo.processor import load_processor
 
     path = tiny_dir("qwen2_5_vl")
     model = AutoModelForImageTextToText.from_pretrained(path)

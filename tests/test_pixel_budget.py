@@ -1,4 +1,4 @@
-"""vlm_grpo.pixel_budget: the processor's own budget is the one budget (Qwen-VL), images are resized once."""
+"""vlm_grpo.media.pixel_budget: the processor's own budget is the one budget (Qwen-VL), images are resized once."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlm_grpo.pixel_budget import (
+from vlm_grpo.media.pixel_budget import (
     PixelBudget,
     apply_pixel_budget,
     fed_size,
@@ -17,7 +17,7 @@ from vlm_grpo.pixel_budget import (
     processor_pixel_budget,
     set_processor_pixel_budget,
 )
-from vlm_grpo.processor import load_processor
+from vlm_grpo.media.processor import load_processor
 
 QWEN = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
@@ -78,7 +78,7 @@ def test_setting_the_budget_keeps_unset_bounds_and_refuses_a_conflict(tiny_dir) 
 def test_a_replaced_value_is_logged(tiny_dir, caplog) -> None:
     processor = load_processor(tiny_dir("qwen2_5_vl"), "qwen2_5_vl")
     low, high = processor_pixel_budget(processor)
-    with caplog.at_level(logging.WARNING, logger="vlm_grpo.pixel_budget"):
+    with caplog.at_level(logging.WARNING, logger="vlm_grpo.media.pixel_budget"):
         budget = apply_pixel_budget(processor, max_pixels=high // 2)
         apply_pixel_budget(processor, max_pixels=high // 2)  # nothing replaced the second time: nothing logged
     assert budget.max_pixels == high // 2 and processor_pixel_budget(processor) == (low, high // 2)

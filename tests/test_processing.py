@@ -1,8 +1,14 @@
 import torch
 from PIL import Image
 
+from vlm_grpo.media.processing import (
+    ROW_VISION_KEYS,
+    holds_clips,
+    process_prompts,
+    row_vision_inputs,
+    tokenize_clip_prompts,
+)
 from vlm_grpo.model import FastVisionModel
-from vlm_grpo.processing import ROW_VISION_KEYS, holds_clips, process_prompts, row_vision_inputs, tokenize_clip_prompts
 from vlm_grpo.rows import prepare_row
 
 

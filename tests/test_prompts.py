@@ -8,7 +8,8 @@ import pytest
 from PIL import Image
 
 from vlm_grpo.data.load import DatasetError, load_grpo_dataset
-from vlm_grpo.prompts import apply_template, image_column, user_content, with_system
+from vlm_grpo.media.columns import image_column
+from vlm_grpo.prompts import apply_template, user_content, with_system
 from vlm_grpo.rows import prepare_row
 
 
@@ -55,7 +56,8 @@ def test_both_image_columns_are_refused_not_guessed(tmp_path):
 
 
 def test_video_placeholders_and_blocks_are_placed_like_images():
-    from vlm_grpo.prompts import place_media, video_column
+    from vlm_grpo.media.columns import video_column
+    from vlm_grpo.prompts import place_media
 
     assert user_content("<video> then <image>?") == [
         {"type": "video"}, {"type": "text", "text": " then "}, {"type": "image"}, {"type": "text", "text": "?"},

@@ -13,7 +13,7 @@ from datasets import Dataset
 from trl import GRPOTrainer
 
 from vlm_grpo.data import answer_words
-from vlm_grpo.engine.batch_layout import LayoutUnknown
+from vlm_grpo.media.batch_layout import LayoutUnknown
 from vlm_grpo.model import FastVisionModel
 from vlm_grpo.rollout_batch import concat_rollouts, loss_token_count, select_rollouts
 from vlm_grpo.tiny import TINY_FAMILIES

@@ -5,7 +5,7 @@ from datasets import Dataset
 from datasets import Image as ImageFeature
 from PIL import Image
 
-from vlm_grpo.pixel_budget import PixelBudget
+from vlm_grpo.media.pixel_budget import PixelBudget
 from vlm_grpo.rows import check_dataset, count_image_placeholders, prepare_row, source_image_sizes
 
 
@@ -168,8 +168,8 @@ def _clip(n=4, size=(28, 28)):
 
 
 def test_a_row_with_clips_gets_every_image_and_clip_placed_in_its_prompt():
+    from vlm_grpo.media.clips import Clip
     from vlm_grpo.rows import dataset_row, row_clips, row_images
-    from vlm_grpo.videos import Clip
 
     row = {"prompt": "Compare <image> with <video>.", "image": _img(), "video": _clip(), "answer": "left"}
     prepared = prepare_row(row)
@@ -188,7 +188,7 @@ def test_a_row_with_clips_gets_every_image_and_clip_placed_in_its_prompt():
 def test_check_dataset_checks_clips_like_images(tmp_path):
     from conftest import write_video
 
-    from vlm_grpo.videos import VideoError
+    from vlm_grpo.media.clips import VideoError
 
     uneven = _clip(2) + [Image.new("RGB", (30, 28))]
     rows = [{"prompt": "<video> which way?", "video": c} for c in (_clip(), uneven, [], _clip())]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from vlm_grpo.engine.sharded import full_weights, sharding, unsupported_reason
-from vlm_grpo.trainer import _compile_default
+from vlm_grpo.generation_route import compile_setting as _compile_default
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -358,7 +358,7 @@ def test_pixel_budget_bounds_images_for_processors_without_one(tiny_dir, tmp_pat
 def test_qwen_images_are_resized_once_by_the_processors_budget(tiny_dir, tmp_path, caplog):
     """The pixel_values / image_grid_thw training uses are what the processor alone makes of the image, with the
     config's budget, which replaces from_pretrained's (logged) and lives in the processor, not in a private copy."""
-    from vlm_grpo.processor import load_processor
+    from vlm_grpo.media.processor import load_processor
 
     big = Image.fromarray(np.random.default_rng(0).integers(0, 256, (224, 448, 3), dtype=np.uint8))
     dataset = Dataset.from_list([{"prompt": "What colour?", "image": big, "answer": "green"}] * 4)
@@ -374,7 +374,7 @@ def test_qwen_images_are_resized_once_by_the_processors_budget(tiny_dir, tmp_pat
                 model, input_ids, attention_mask, logits_to_keep, *args, **kw
             )
 
-    with caplog.at_level("WARNING", logger="vlm_grpo.pixel_budget"):
+    with caplog.at_level("WARNING", logger="vlm_grpo.media.pixel_budget"):
         trainer = Spy(
             model, [choice], args=_config(tmp_path, max_steps=1, max_pixels=56 * 56), train_dataset=dataset,
             processing_class=processor,

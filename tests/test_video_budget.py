@@ -1,4 +1,4 @@
-"""`vlm_grpo.video_budget`: which frames a clip keeps and the size they are fed at, decided once."""
+"""`vlm_grpo.media.video_budget`: which frames a clip keeps and the size they are fed at, decided once."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import logging
 import pytest
 from PIL import Image
 
-from vlm_grpo.processor import load_processor
-from vlm_grpo.video_budget import VideoBudget, apply_video_budget, fed_frame_size
-from vlm_grpo.videos import Clip
+from vlm_grpo.media.clips import Clip
+from vlm_grpo.media.processor import load_processor
+from vlm_grpo.media.video_budget import VideoBudget, apply_video_budget, fed_frame_size
 
 
 class _Pairs:  # a video processor's temporal patch, all frame counting needs
@@ -49,7 +49,7 @@ def test_frames_are_resized_once_to_what_the_processor_would_feed(tiny_dir, fami
 
 def test_the_config_budget_is_written_into_the_video_processor_and_logged(tiny_dir, caplog):
     processor = load_processor(tiny_dir("qwen2_5_vl"), "qwen2_5_vl")
-    with caplog.at_level(logging.WARNING, logger="vlm_grpo.video_budget"):
+    with caplog.at_level(logging.WARNING, logger="vlm_grpo.media.video_budget"):
         budget = apply_video_budget(processor, max_pixels=28 * 28, num_frames=4)
     assert processor.video_processor.size["longest_edge"] == 28 * 28 and "video_max_pixels=784" in caplog.text
     assert budget.load([Image.new("RGB", (200, 200))] * 9).size == (28, 28) and budget.num_frames == 4

@@ -1,4 +1,4 @@
-"""`vlm_grpo.video_processor`: Qwen-VL's video processor without torchvision, checked against transformers' own code.
+"""`vlm_grpo.media.video_processor`: Qwen-VL's video processor without torchvision, checked against transformers' own code.
 
 transformers' image processor lays out one image as a clip of `temporal_patch_size` copies of it, with the same
 patchify as its video processors; so a clip of two identical frames must give exactly the image processor's patches.
@@ -14,8 +14,8 @@ import pytest
 import torch
 from PIL import Image
 
-from vlm_grpo.processor import load_processor
-from vlm_grpo.video_processor import QwenVideoProcessorPil
+from vlm_grpo.media.processor import load_processor
+from vlm_grpo.media.video_processor import QwenVideoProcessorPil
 
 QWEN_VIDEO = ["qwen2_5_vl", "qwen3_vl"]
 SIDE = {"qwen2_5_vl": 56, "qwen3_vl": 64}  # sizes neither budget resizes

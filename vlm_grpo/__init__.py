@@ -9,6 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from . import third_party_logs
+
+third_party_logs.install()  # before anything imports PEFT, which imports bitsandbytes
+
 __version__ = "0.1.0"
 
 _EXPORTS = {

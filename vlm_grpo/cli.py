@@ -27,18 +27,8 @@ import sys
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from .cli_args import (
-    PROG,
-    TINY_PREFIX,
-    ScriptArguments,
-    UsageError,
-    build_parser,
-    check_args,
-    parse_args,
-    resolve_rewards,
-    resume_checkpoint,
-    short_help,
-)
+from .cli_args import PROG, TINY_PREFIX, ScriptArguments, UsageError, build_parser, parse_args, short_help
+from .cli_checks import check_args, resolve_rewards, resume_checkpoint
 from .demo import DEMO
 
 if TYPE_CHECKING:
@@ -194,9 +184,9 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     from .callbacks import library_bars_off, plot_reward_curve
     from .engine.sharded import full_weights
     from .evaluation import evaluate
+    from .media.video_budget import VIDEO_SETTINGS
     from .reward_checks import reward_name
     from .trainer import VLMGRPOTrainer
-    from .video_budget import VIDEO_SETTINGS
 
     check_args(script, config)
     resume = resume_checkpoint(script, config)

@@ -31,6 +31,7 @@ __all__ = [
     "CHECKPOINTING_ARG",
     "CHECKPOINTING_KWARGS_ARG",
     "cache_kwarg",
+    "check_trl_device_support",
     "checkpointing_from_args",
     "checkpointing_settings",
     "disable_checkpointing",
@@ -133,3 +134,17 @@ def quiet_third_party_checkpointing_deprecations() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_THIRD_PARTY_CHECKPOINTING_DEPRECATIONS, category=FutureWarning)
         yield
+
+
+def check_trl_device_support(device: Any) -> None:
+    """Refuse, before the first step, a TRL that cannot compute GRPO log-probs on `device` (a `torch.device`)."""
+    import trl
+    from packaging.version import Version
+
+    # TRL 1.15 computes every GRPO log-prob with a Triton kernel (a fused LM head) and has no CPU path: without a
+    # GPU the first step dies deep inside TRL. 1.16 added the fallback.
+    if device.type == "cpu" and Version(trl.__version__) < Version("1.16"):
+        raise RuntimeError(
+            f"trl {trl.__version__} can only train GRPO on a GPU (its log-prob kernel needs Triton on CUDA). "
+            "Train on a GPU, or upgrade to trl>=1.16 for CPU training."
+        )

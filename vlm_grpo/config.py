@@ -15,8 +15,8 @@ from trl import GRPOConfig
 from .compat import CHECKPOINTING_ARG
 from .engine.lora_merge import MERGE_BACKUPS
 from .engine.quantized_generation import QUANTIZED_MODES
-from .images import check_pixel_budget
-from .video_budget import DEFAULT_FPS, DEFAULT_MAX_FRAMES, check_frame_sampling
+from .media.pixel_budget import check_pixel_budget
+from .media.video_budget import DEFAULT_FPS, DEFAULT_MAX_FRAMES, check_frame_sampling
 
 __all__ = ["VLMGRPOConfig"]
 

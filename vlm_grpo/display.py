@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .callbacks import _prompt_text
-from .images import load_image, normalize_image
-from .rows import row_images
+from .media.columns import row_images
+from .media.images import load_image, normalize_image
 
 __all__ = ["CompletionTable"]
 

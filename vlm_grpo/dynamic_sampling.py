@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import TrainerCallback
@@ -56,9 +57,6 @@ from transformers.trainer_callback import ExportableState
 from trl.trainer.utils import RepeatSampler
 
 from .rollout_batch import concat_rollouts, loss_token_count, select_rollouts
-
-if TYPE_CHECKING:
-    from .trainer import VLMGRPOTrainer
 
 __all__ = ["DynamicSampler", "DynamicSamplingState", "NoRewardVariance", "PromptStream", "informative_groups"]
 
@@ -149,9 +147,15 @@ def resume_batches(position: dict[str, Any], global_step: int, accumulation: int
 
 
 class DynamicSampler:
-    """Builds each training generation batch of a `VLMGRPOTrainer` from informative groups (see the module doc)."""
+    """Builds each training generation batch of a `VLMGRPOTrainer` from informative groups (see the module doc).
 
-    def __init__(self, trainer: VLMGRPOTrainer) -> None:
+    Args:
+        trainer: the trainer (its config, dataset, state, metrics and the rewards of its last scoring call).
+        score: generates and scores dataset rows, each prompt repeated for its group, returning TRL's batch
+            (`VLMGRPOTrainer._score_rollouts`).
+    """
+
+    def __init__(self, trainer: Any, score: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> None:
         args, dataset = trainer.args, trainer.train_dataset
         if dataset is not None and (
             isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__")
@@ -160,7 +164,7 @@ class DynamicSampler:
                 "dynamic_sampling draws further prompts by index, which an IterableDataset cannot give: pass a "
                 "map-style dataset (datasets.Dataset), or turn dynamic_sampling off."
             )
-        self.trainer = trainer
+        self.trainer, self.score = trainer, score
         self.max_rounds = args.max_sampling_rounds
         self.num_generations = trainer.num_generations
         self.prompts_per_batch = args.generation_batch_size // self.num_generations
@@ -223,7 +227,7 @@ class DynamicSampler:
             rounds += 1
             prompts = stream.next_batch()[rank * groups : (rank + 1) * groups]
             dataset_rows = [trainer.train_dataset[int(i)] for i in prompts]
-            batch = trainer._score_rollouts([row for row in dataset_rows for _ in range(G)])
+            batch = self.score([row for row in dataset_rows for _ in range(G)])
             rewards = trainer._last_rewards_per_func
             # Gathered over processes (process p's rows p*rows...), so every process sees the same table.
             table = informative_groups(rewards, trainer.reward_weights, G).view(processes, groups).cpu()

@@ -8,14 +8,13 @@ from typing import Any
 
 import torch
 
-from .image_sizes import add_image_sizes
+from .media.columns import VIDEO_COLUMNS, video_column
+from .media.pixel_budget import pixel_budget_for_call
+from .media.processing import holds_clips, process_prompts
+from .media.video_budget import video_budget_for_call
 from .modes import generating
-from .pixel_budget import pixel_budget_for_call
-from .processing import holds_clips, process_prompts
-from .prompts import VIDEO_COLUMNS, video_column
 from .reward_checks import reward_name
-from .rows import check_dataset, dataset_row, prepare_row, row_images
-from .video_budget import video_budget_for_call
+from .rows import add_image_sizes, check_dataset, dataset_row, prepare_row, row_images
 
 __all__ = ["evaluate", "pass_at_k", "sample_completions"]
 
@@ -57,10 +56,10 @@ def evaluate(
         max_new_tokens: completion length limit.
         min_pixels / max_pixels: image pixel budget for this call (None: the processor's own, which is the training
             budget after `VLMGRPOTrainer`). A Qwen-VL processor gets it for the call and its own back afterwards;
-            for other processors images are fitted to it first (see `vlm_grpo.pixel_budget`).
+            for other processors images are fitted to it first (see `vlm_grpo.media.pixel_budget`).
         video: the video budget for rows with clips, as `VLMGRPOConfig` names it (`video_fps`, `video_max_frames`,
             `video_num_frames`, `video_min_pixels`, `video_max_pixels`); unset ones are the defaults, or the
-            processor's own pixel budget (`vlm_grpo.video_budget`), which it gets back afterwards.
+            processor's own pixel budget (`vlm_grpo.media.video_budget`), which it gets back afterwards.
 
     Returns:
         `{"mean_reward": ..., "accuracy": ..., "reward/<name>": ..., "pass@k": ...}` with pass@k for k = 1, 2, 4, ...
@@ -139,7 +138,7 @@ def _scored_batches(model, processor, dataset, funcs, num_generations, max_new_t
         raise ValueError("batch_size must be at least 1.")
     dataset, _ = check_dataset(dataset, "dataset", check_images=False)
     if video_column(dataset.column_names):
-        from .processing import check_video_support
+        from .media.processing import check_video_support
 
         check_video_support(processor, model)
     tokenizer = getattr(processor, "tokenizer", processor)

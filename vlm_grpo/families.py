@@ -65,7 +65,7 @@ class Family:
     #: ``smart_resize`` does; otherwise it resizes to a fixed input size and a budget can only be applied before it.
     pixel_budget: bool
     #: The video processor class the processor bundles (None: images only). Its base class imports torchvision, so
-    #: without it `vlm_grpo.video_processor` stands in (PIL and torch only).
+    #: without it `vlm_grpo.media.video_processor` stands in (PIL and torch only).
     video_processor: str | None
     #: What the video processor's pixel budget (``video_processor.size``) bounds: each frame's area ("frame",
     #: Qwen2/2.5-VL) or frames x area of the whole clip ("clip", Qwen3-VL); None without video.

@@ -22,10 +22,9 @@ from . import modes
 from .compat import quiet_third_party_checkpointing_deprecations
 from .families import projector_names
 from .hooks import VISION_TOWER_NAMES
-from .images import check_pixel_budget
 from .lora_selection import LoraSelection, select_lora_modules
-from .pixel_budget import set_processor_pixel_budget
-from .processor import load_processor
+from .media.pixel_budget import check_pixel_budget, set_processor_pixel_budget
+from .media.processor import load_processor
 from .validation import is_int
 
 __all__ = ["FastBaseVisionModel", "FastVisionModel", "LoraSelection", "check_quantization", "select_lora_modules"]
@@ -129,7 +128,7 @@ class FastBaseVisionModel:
                 written into its `image_processor.size` as `AutoProcessor.from_pretrained(..., min_pixels=...,
                 max_pixels=...)` does; None keeps the checkpoint's value. Processors without a budget (Gemma 3,
                 Idefics3) raise ValueError rather than drop it: give those a budget with `VLMGRPOConfig(min_pixels=,
-                max_pixels=)` and `evaluate(...)`. See `vlm_grpo.pixel_budget`.
+                max_pixels=)` and `evaluate(...)`. See `vlm_grpo.media.pixel_budget`.
             attn_implementation: "eager", "sdpa", "flash_attention_2"...; None lets transformers choose.
             **kwargs: passed to `AutoModelForImageTextToText.from_pretrained` (e.g. `revision`, `token`).
         """

@@ -10,6 +10,7 @@ untouched, so a held-out evaluation before training cannot switch on checkpointi
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,12 +18,19 @@ from typing import Any
 
 from torch import nn
 
-from .compat import disable_checkpointing, enable_checkpointing, is_checkpointing
+from .compat import (
+    CHECKPOINTING_ARG,
+    checkpointing_from_args,
+    disable_checkpointing,
+    enable_checkpointing,
+    is_checkpointing,
+)
 from .hooks import enable_requires_grad_hooks
 
 __all__ = [
     "CHECKPOINTING_CHOICES",
     "ModelMode",
+    "apply_configured_checkpointing",
     "checkpointing_kwargs",
     "checkpointing_mode",
     "checkpointing_off",
@@ -34,6 +42,9 @@ __all__ = [
 ]
 
 CHECKPOINTING_CHOICES = (True, False, "unsloth", "reentrant", "non_reentrant")
+
+
+logger = logging.getLogger(__name__)
 
 
 def checkpointing_kwargs(use_gradient_checkpointing: bool | str) -> dict[str, Any] | None:
@@ -203,3 +214,28 @@ def generating(model: nn.Module) -> Iterator[nn.Module]:
             config.use_cache = value
         if tokenizer is not None:
             tokenizer.padding_side = padding_side
+
+
+def apply_configured_checkpointing(model: nn.Module, args: Any) -> None:
+    """Give `model` the checkpointing its training `args` configure, whatever state it arrived in (logged when that
+    differs).
+
+    The args are the truth, as transformers' Trainer treats them when they switch checkpointing on: a model left
+    checkpointing by earlier code (an older `evaluate`, `get_peft_model`'s default) must not train with it when the
+    config says off, nor the other way round.
+    """
+    enabled, kwargs = checkpointing_from_args(args)
+    configured: bool | str = ("reentrant" if kwargs.get("use_reentrant") else True) if enabled else False
+    found = checkpointing_mode(model)
+    if configured and not getattr(model, "supports_gradient_checkpointing", True):
+        return  # transformers' Trainer refuses it with its own message
+    if found != configured:
+        logger.warning(
+            "Activation checkpointing: the model came with %s; training with %s, as `%s` in the config says.",
+            _describe_checkpointing(found), _describe_checkpointing(configured), CHECKPOINTING_ARG,
+        )  # fmt: skip
+        set_checkpointing(model, configured)
+
+
+def _describe_checkpointing(mode: bool | str) -> str:
+    return {False: "it off", "reentrant": "it on (reentrant)", True: "it on (non-reentrant)"}[mode]

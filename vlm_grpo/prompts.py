@@ -1,12 +1,10 @@
-"""Dataset rows -> chat prompts: the image and video columns, the `<image>` / `<video>` placeholders, templates and the
-system prompt.
+"""Dataset rows -> chat prompts: the `<image>` / `<video>` placeholders, where media go, templates and the system
+prompt (which column holds a row's media: `vlm_grpo.media.columns`).
 
 Three paths turn rows into prompts: the trainer's row preparation (`vlm_grpo.rows`, any row a user hands
 `VLMGRPOTrainer`), loading a user's dataset (`vlm_grpo.data.load`) and the synthetic tasks (`vlm_grpo.task`). They
 used to keep their own copies of these rules, and the copies disagreed (which image column wins, whether text around a
 placeholder keeps its spaces, where the system prompt goes). The rules live here once:
-- a row's images are in `image` (one) or `images` (a list), its clips in `video` (one) or `videos` (a list); a dataset
-  with both columns of a kind is refused, as either could be meant;
 - `<image>` / `<video>` in a string prompt mark where each image / clip goes (EasyR1 / geometry3k); the text around
   them is kept as written (EasyR1's split); without placeholders the images, then the clips, go before the text, as
   TRL places images;
@@ -18,63 +16,23 @@ placeholder keeps its spaces, where the system prompt goes). The rules live here
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from typing import Any
 
 __all__ = [
-    "IMAGE_COLUMNS",
     "IMAGE_PLACEHOLDER",
-    "VIDEO_COLUMNS",
     "VIDEO_PLACEHOLDER",
     "apply_template",
     "count_blocks",
     "count_placeholders",
-    "image_column",
     "place_media",
     "user_content",
-    "video_column",
     "with_system",
 ]
 
-IMAGE_COLUMNS = ("image", "images")
 IMAGE_PLACEHOLDER = "<image>"
-VIDEO_COLUMNS = ("video", "videos")
 VIDEO_PLACEHOLDER = "<video>"
 _PLACEHOLDERS = {IMAGE_PLACEHOLDER: "image", VIDEO_PLACEHOLDER: "video"}
 _SPLIT = re.compile(f"({'|'.join(map(re.escape, _PLACEHOLDERS))})")
-
-
-def _a(word: str) -> str:
-    return "an" if word[0] in "aeiou" else "a"
-
-
-def _one_column(columns: Iterable[str], names: tuple[str, str], kind: str) -> str | None:
-    found = [c for c in names if c in set(columns)]
-    if len(found) > 1:
-        raise ValueError(
-            f"The rows have both {_a(names[0])} `{names[0]}` and {_a(names[1])} `{names[1]}` column, and either could "
-            f"be the one meant. Keep one (rename or remove the other): `{names[0]}` for one {kind} per row, "
-            f"`{names[1]}` for a list."
-        )
-    return found[0] if found else None
-
-
-def image_column(columns: Iterable[str]) -> str | None:
-    """The column holding a row's images (`image` or `images`), None without one; both present is refused.
-
-    >>> image_column(["prompt", "images", "answer"])
-    'images'
-    """
-    return _one_column(columns, IMAGE_COLUMNS, "image")
-
-
-def video_column(columns: Iterable[str]) -> str | None:
-    """The column holding a row's clips (`video` or `videos`), None without one; both present is refused.
-
-    >>> video_column(["prompt", "video", "answer"])
-    'video'
-    """
-    return _one_column(columns, VIDEO_COLUMNS, "clip")
 
 
 def count_placeholders(text: str) -> tuple[int, int]:

@@ -4,7 +4,7 @@ several batches joined into one. Dynamic sampling (`vlm_grpo.dynamic_sampling`) 
 A batch is a dict of per-row tensors whose widths depend on the batch: prompts left-padded to the longest prompt,
 completions right-padded to the longest completion, and `token_type_ids` / `mm_token_type_ids` spanning both. Joining
 batches pads each part to the widest, the way TRL pads one batch (the same pad values; padding is masked), and lays
-the vision tensors out as the processor would for those rows (`vlm_grpo.engine.batch_layout.ImageLayout`). A key this
+the vision tensors out as the processor would for those rows (`vlm_grpo.media.batch_layout.ImageLayout`). A key this
 module does not know how to split or pad raises `LayoutUnknown`, never a silently misaligned batch.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .engine.batch_layout import ImageLayout, LayoutUnknown
+from .media.batch_layout import ImageLayout, LayoutUnknown
 
 __all__ = ["concat_rollouts", "loss_token_count", "select_rollouts"]
 

@@ -9,10 +9,10 @@ logged and counted, so a long run never dies on row 93 412 (`drop_unreadable_row
 every bad image or clip, refused beyond half the rows).
 
 `prepare_row` runs per batch: images normalised (RGB, EXIF, alpha on white, 16-bit...), fitted to
-the pixel budget (`vlm_grpo.pixel_budget`) and always given as an `images` list; a plain-string
+the pixel budget (`vlm_grpo.media.pixel_budget`) and always given as an `images` list; a plain-string
 prompt becomes a user message with the images at its `<image>` placeholders. Rows of a dataset with
 a `video` / `videos` column get their clips sampled and sized by the video budget
-(`vlm_grpo.video_budget`) and every image and clip placed in the prompt's content blocks (TRL has
+(`vlm_grpo.media.video_budget`) and every image and clip placed in the prompt's content blocks (TRL has
 no video path: the trainer processes these rows itself). `rows_for_rewards` undoes this for the
 reward functions, so they receive the dataset's own format.
 """
@@ -20,36 +20,26 @@ reward functions, so they receive the dataset's own format.
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from PIL import Image
 
-from .images import ImageError, load_image, load_rgb_images
-from .prompts import (
-    IMAGE_COLUMNS,
-    IMAGE_PLACEHOLDER,
-    VIDEO_COLUMNS,
-    VIDEO_PLACEHOLDER,
-    count_blocks,
-    count_placeholders,
-    image_column,
-    place_media,
-    user_content,
-    video_column,
-)
-from .videos import VideoError, is_clip_value, probe_clip
+from .media.checks import MAX_BAD_FRACTION, SkippedRows, drop_unreadable_rows, undecoded
+from .media.columns import IMAGE_COLUMNS, VIDEO_COLUMNS, image_column, is_chat, row_clips, row_images, video_column
+from .media.pixel_budget import fed_size
+from .media.row_media import load_row_media
+from .prompts import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, count_blocks, count_placeholders, place_media, user_content
 
 if TYPE_CHECKING:
-    from .pixel_budget import PixelBudget
-    from .video_budget import VideoBudget
+    from .media.pixel_budget import PixelBudget
+    from .media.video_budget import VideoBudget
 
 __all__ = [
     "IMAGE_PLACEHOLDER",
     "MAX_BAD_FRACTION",
     "SkippedRows",
+    "add_image_sizes",
     "check_dataset",
     "count_image_placeholders",
     "dataset_row",
@@ -73,56 +63,9 @@ _VIDEO_LIKE_NAMES = ("clip", "clips", "frames", "video_path", "video_paths", "vi
 _SOURCE = "_vlm_grpo_source"
 
 
-@dataclass
-class SkippedRows:
-    """Rows dropped by `check_dataset`: their indices in the original dataset and why."""
-
-    indices: list[int] = field(default_factory=list)
-    reasons: list[str] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-
-def _is_chat(prompt: Any) -> bool:
-    return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
-
-
 def count_image_placeholders(prompt: Any) -> int:
     """Number of `{"type": "image"}` content blocks in a chat prompt (0 for plain strings)."""
-    return count_blocks(prompt, "image") if _is_chat(prompt) else 0
-
-
-def _blocks_media(row: dict[str, Any], kind: str) -> list[Any]:
-    prompt = row.get("prompt")
-    if not _is_chat(prompt):
-        return []
-    return [part[kind] for m in prompt if isinstance(m.get("content"), list) for part in m["content"]
-            if isinstance(part, dict) and part.get("type") == kind and kind in part]  # fmt: skip
-
-
-def row_images(row: dict[str, Any]) -> list[Any]:
-    """A row's images as a list: its `images` list, its single `image`, the images placed in its prompt (a
-    `prepare_row` result of a dataset with clips), or [] for a text-only row."""
-    if "images" in row:
-        value = row["images"]
-        return [] if value is None else list(value)
-    if "image" in row:
-        value = row["image"]
-        return [] if value is None else [value]
-    return _blocks_media(row, "image")
-
-
-def row_clips(row: dict[str, Any]) -> list[Any]:
-    """A row's clips as a list: its `videos` list, its single `video`, the clips placed in its prompt (a
-    `prepare_row` result), or []."""
-    column = video_column(row)
-    if column is None:
-        return _blocks_media(row, "video")
-    value = row[column]
-    if value is None:
-        return []
-    return list(value) if column == "videos" else [value]
+    return count_blocks(prompt, "image") if is_chat(prompt) else 0
 
 
 # Markers that show a chat template was already applied to a string prompt; images cannot be placed then.
@@ -148,7 +91,7 @@ def _check_prompt(prompt: Any, n_images: int, index: int, name: str, n_videos: i
                     f"{count} {kind}. Make them match, or drop the placeholders to put them before the text."
                 )
         return
-    if not _is_chat(prompt):
+    if not is_chat(prompt):
         raise ValueError(
             f"{name} row {index}: `prompt` must be a string or a list of chat messages "
             f"({{'role': ..., 'content': ...}}), got {type(prompt).__name__}."
@@ -169,7 +112,7 @@ def _placeholders(prompt: Any, kind: str) -> int:
     """`kind` ("image" / "video") placeholders of a prompt: `<image>` / `<video>` in a string, blocks in messages."""
     if isinstance(prompt, str):
         return count_placeholders(prompt)[kind == "video"]
-    return count_blocks(prompt, kind) if _is_chat(prompt) else 0
+    return count_blocks(prompt, kind) if is_chat(prompt) else 0
 
 
 def _holds_images(value: Any) -> bool:
@@ -225,7 +168,7 @@ def check_dataset(
         dataset: a `datasets.Dataset` (checked row by row) or an `IterableDataset` (only its columns are checked:
             it cannot be scanned without consuming it).
         name: used in messages (`train_dataset`, `eval_dataset`).
-        check_images: decode every image once and open every clip (`vlm_grpo.videos.probe_clip`: a file's stream is
+        check_images: decode every image once and open every clip (`vlm_grpo.media.clips.probe_clip`: a file's stream is
             read, not decoded; frames' headers are read), so truncated or corrupt files surface up front; False
             checks only that image and clip files exist.
         skip_bad_rows: drop rows whose images or clips are missing or cannot be read (logged, counted in `skipped`;
@@ -252,7 +195,7 @@ def check_dataset(
         raise ValueError(f"{name} is empty: GRPO needs at least one prompt.")
 
     # Placeholders against image and clip counts, with the media undecoded: counting them needs no pixels.
-    raw = _undecoded(_undecoded(dataset, column), clip_column)
+    raw = undecoded(undecoded(dataset, column), clip_column)
     read_columns = ["prompt"] + [c for c in (column, clip_column) if c]
     for index, row in enumerate(raw.select_columns(read_columns)):
         images, clips = row_images(row) if column else [], row_clips(row) if clip_column else []
@@ -269,131 +212,6 @@ def check_dataset(
     return drop_unreadable_rows(
         dataset, column, name, clip_column=clip_column, decode=check_images, skip_bad_rows=skip_bad_rows
     )
-
-
-#: Rows with missing or unreadable images or clips are skipped up to this fraction of a dataset; beyond it the data
-#: looks wrong as a whole (a wrong media root, a broken download), and training on the rest would quietly teach
-#: something else.
-MAX_BAD_FRACTION = 0.5
-
-
-def drop_unreadable_rows(
-    dataset: Any,
-    column: str | None,
-    name: str,
-    *,
-    clip_column: str | None = None,
-    decode: bool = True,
-    skip_bad_rows: bool = True,
-    row_names: Sequence[str] | None = None,
-    stop_hint: str = "skip_bad_rows=False",
-) -> tuple[Any, SkippedRows]:
-    """`(dataset, skipped)`: the rows whose images in `column` or clips in `clip_column` are missing or cannot be
-    read dropped, logged and counted. One policy for all: skipped while they are at most `MAX_BAD_FRACTION` of the
-    rows, refused beyond.
-
-    Args:
-        dataset: a `datasets.Dataset` whose `column` holds one image or a list per row (None: no images), and
-            `clip_column` one clip or a list (None: no clips).
-        name: the dataset in messages (`train_dataset`, `train.jsonl`).
-        decode: decode every image and probe every clip (catches corrupt files); False checks only that files exist.
-        skip_bad_rows: False raises at the first bad row instead of skipping it.
-        row_names: what messages call each row (e.g. `line 7` of a JSON Lines file); default `row <index>`.
-        stop_hint: how the user turns skipping off, named in the skip message (`--no_skip_bad_rows` from the CLI).
-
-    Raises:
-        ImageError / VideoError: a bad row with `skip_bad_rows=False`; more than `MAX_BAD_FRACTION` of the rows bad.
-    """
-    skipped = SkippedRows()
-    raw = _undecoded(_undecoded(dataset, column), clip_column)
-    for index, row in enumerate(raw.select_columns([c for c in (column, clip_column) if c])):
-        where = row_names[index] if row_names is not None else f"row {index}"
-        media = [("image", m, _image_problem, ImageError) for m in (row_images(row) if column else [])]
-        media += [("clip", m, _clip_problem, VideoError) for m in (row_clips(row) if clip_column else [])]
-        positions = {"image": 0, "clip": 0}
-        for kind, value, problem_of, error_type in media:
-            position = positions[kind]
-            positions[kind] += 1
-            if value is None:
-                plural = "images" if kind == "image" else "videos"
-                raise ValueError(f"{name} {where}: {kind} {position} is None; drop it from the row's `{plural}` list.")
-            problem = problem_of(value, decode)
-            if problem is None:
-                continue
-            if not skip_bad_rows:
-                raise error_type(f"{name} {where}, {kind} {position}: {problem}")
-            skipped.indices.append(index)
-            skipped.reasons.append(f"{where}, {kind} {position}: {problem}")
-            break
-    if not skipped:
-        return dataset, skipped
-    total = len(dataset)
-    kinds = "images or clips" if clip_column else "images"
-    if len(skipped) > MAX_BAD_FRACTION * total:
-        error_type = VideoError if column is None else ImageError
-        raise error_type(
-            f"{name}: {len(skipped)} of {total} rows have missing or unreadable {kinds}, more than "
-            f"{MAX_BAD_FRACTION:.0%}, so the data looks wrong as a whole (check the paths and files); nothing "
-            f"is trained on. First: {skipped.reasons[0]}"
-        )
-    logger.warning(
-        "%s: skipped %d of %d rows with missing or unreadable %s (%s to stop instead; more than %.0f%% bad is "
-        "refused). %s",
-        name, len(skipped), total, kinds, stop_hint, 100 * MAX_BAD_FRACTION, "; ".join(skipped.reasons[:3]),
-    )  # fmt: skip
-    return dataset.select(sorted(set(range(total)) - set(skipped.indices))), skipped
-
-
-def _undecoded(dataset: Any, column: str | None) -> Any:
-    """`dataset` with `column`'s `datasets.Image` / `datasets.Video` feature cast to `decode=False` (`{"bytes",
-    "path"}`), so a corrupt or missing file is our error to report, not a crash inside datasets."""
-    if column is None:
-        return dataset
-    import datasets
-    from datasets import Sequence
-
-    kinds = tuple(k for k in (getattr(datasets, "Image", None), getattr(datasets, "Video", None)) if k is not None)
-    lists = tuple(k for k in (Sequence, getattr(datasets, "List", None)) if k is not None)
-    feature = dataset.features.get(column)
-    if isinstance(feature, kinds):
-        return dataset.cast_column(column, type(feature)(decode=False))
-    if isinstance(feature, lists) and isinstance(feature.feature, kinds):
-        return dataset.cast_column(column, type(feature)(type(feature.feature)(decode=False)))
-    if isinstance(feature, list) and feature and isinstance(feature[0], kinds):
-        return dataset.cast_column(column, [type(feature[0])(decode=False)])
-    return dataset
-
-
-def _image_problem(image: Any, decode: bool) -> str | None:
-    """Why `image` cannot be used, or None. Without `decode`, only an image stored as a file path is checked, for the
-    file's existence (a cheap `stat`, done even when decoding every image is switched off)."""
-    if not decode and _exists_or_not_a_path(image, os.path.isfile):
-        return None
-    try:
-        load_image(image)
-    except ImageError as error:
-        return str(error)
-    return None
-
-
-def _clip_problem(clip: Any, decode: bool) -> str | None:
-    """Why `clip` cannot be used, or None. Without `decode`, a clip given as a path is only checked to exist."""
-    if not is_clip_value(clip):
-        return f"{type(clip).__name__!r} is not a clip (a list of frames, a folder, a video file)"
-    if not decode and _exists_or_not_a_path(clip, os.path.exists):
-        return None
-    try:
-        probe_clip(clip)
-    except VideoError as error:
-        return str(error)
-    return None
-
-
-def _exists_or_not_a_path(value: Any, exists: Callable[[Any], bool]) -> bool:
-    """Whether `value` (a path, or datasets' undecoded `{"bytes", "path"}`) is a file that exists, or no path at all
-    (bytes, arrays, PIL images: nothing to `stat`)."""
-    path = value.get("path") if isinstance(value, dict) and value.get("bytes") is None else value
-    return not isinstance(path, (str, os.PathLike)) or exists(path)
 
 
 def prepare_row(
@@ -415,43 +233,24 @@ def prepare_row(
     image or video column are returned unchanged. `clip_memo` (a dict the caller keeps for one batch) loads a clip
     given by path once for all the rows that name it: TRL repeats every row for each of its generations.
     """
-    column, clip_column = image_column(row), video_column(row)
-    if column is None and clip_column is None:
+    media = load_row_media(row, budget, video_budget, clip_memo)
+    if media is None:
         return dict(row)
-    value = row.get(column) if column else None
-    if column == "image":
-        value = None if value is None else [value]
-    images = load_rgb_images(value)
-    fitted = [budget.fit(image) for image in images] if budget is not None else images
-    source = {"prompt": row.get("prompt"), "image_column": column, "image_sizes": [im.size for im in images]}
-    row = {k: v for k, v in row.items() if k not in IMAGE_COLUMNS}
-    if clip_column is None:
-        row["images"] = fitted
-        row[_SOURCE] = source
-        if isinstance(row.get("prompt"), str):
+    source = {"prompt": row.get("prompt"), "image_column": media.image_column, "image_sizes": media.source_sizes}
+    if media.video_column is not None:
+        source.update(video_column=media.video_column, videos=row[media.video_column])
+    row = {k: v for k, v in row.items() if k not in IMAGE_COLUMNS + VIDEO_COLUMNS}
+    row[_SOURCE] = source
+    prompt = row.get("prompt")
+    if media.video_column is None:
+        row["images"] = media.images
+        if isinstance(prompt, str):
             # Done for every row of a dataset with an image column (text-only rows too) so a batch never mixes
             # strings and chats.
-            row["prompt"] = [{"role": "user", "content": user_content(row["prompt"])}]
+            row["prompt"] = [{"role": "user", "content": user_content(prompt)}]
         return row
-    if video_budget is None:
-        from .video_budget import VideoBudget
-
-        video_budget = VideoBudget()
-    clips = []
-    for value in row_clips(row):
-        key = os.fspath(value) if isinstance(value, str | os.PathLike) and clip_memo is not None else None
-        if key is None:
-            clips.append(video_budget.load(value))
-        else:
-            if key not in clip_memo:
-                clip_memo[key] = video_budget.load(value)
-            clips.append(clip_memo[key])
-    source.update(video_column=clip_column, videos=row[clip_column])
-    row = {k: v for k, v in row.items() if k not in VIDEO_COLUMNS}
-    prompt = row.get("prompt")
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-    row["prompt"] = place_media(messages, fitted, clips)
-    row[_SOURCE] = source
+    row["prompt"] = place_media(messages, media.images, media.clips)
     return row
 
 
@@ -500,3 +299,25 @@ def dataset_row(row: dict[str, Any]) -> dict[str, Any]:
     if "video_column" in source:
         row[source["video_column"]] = source["videos"]
     return row
+
+
+def add_image_sizes(rows: list[dict[str, Any]], processor: Any) -> list[dict[str, Any]]:
+    """`rows` (from `prepare_row`) with `source_image_size` and `fed_image_size` added to each: the sizes grounding
+    rewards need, as keyword columns (`(width, height)`, or None for a row without exactly one image or a processor
+    that does not resize by a pixel budget).
+
+    Qwen2.5-VL writes boxes in absolute pixels of the image *after* its processor resized it (`smart_resize` to a
+    multiple of 28 within the pixel budget), while gold boxes are in the dataset image's pixels. Nothing is decoded
+    again: the source size is the one `prepare_row` recorded (upright, as annotations see it), the fed size is the
+    processor's resize of the image `prepare_row` produced.
+    """
+    image_processor = getattr(processor, "image_processor", None)
+    out = []
+    for row in rows:
+        images, sources = row_images(row), source_image_sizes(row)
+        source = fed = None
+        if len(images) == 1 and sources:
+            source = sources[0]
+            fed = fed_size(image_processor, *images[0].size) if image_processor is not None else None
+        out.append({**row, "source_image_size": source, "fed_image_size": fed})
+    return out

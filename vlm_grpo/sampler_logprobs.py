@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["GAP_METRICS", "log_logp_gap", "loss_as_vllm", "mark_sampled", "sampled_as_vllm"]
+__all__ = ["GAP_METRICS", "log_batch_gap", "log_logp_gap", "loss_as_vllm", "mark_sampled", "sampled_as_vllm"]
 
 GAP_METRICS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max")
 
@@ -41,6 +41,16 @@ def log_logp_gap(trainer: Any, scored: torch.Tensor, sampled: torch.Tensor, mask
     metrics = trainer._metrics["train" if trainer.model.training else "eval"]
     metrics[GAP_METRICS[0]].append(trainer.accelerator.gather(mean).mean().item())
     metrics[GAP_METRICS[1]].append(trainer.accelerator.gather(largest).max().item())
+
+
+def log_batch_gap(trainer: Any, inputs: dict[str, Any], scored: torch.Tensor | None) -> None:
+    """Log the gap for a batch the loss just scored (`scored`: the policy's log-probs), when the batch carries the
+    sampler's log-probs and TRL did not log it already (it does when it corrects for it): measured on the policy that
+    sampled, the batch's first use, or TRL's old log-probs where it computed them."""
+    if scored is None or "sampling_per_token_logps" not in inputs or "importance_sampling_ratio" in inputs:
+        return
+    mask = inputs["completion_mask"] * inputs["tool_mask"] if "tool_mask" in inputs else inputs["completion_mask"]
+    log_logp_gap(trainer, inputs.get("old_per_token_logps", scored), inputs["sampling_per_token_logps"], mask)
 
 
 def _correcting(trainer: Any) -> bool:

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..integrations.unsloth import uses_unsloth
 
-__all__ = ["AdaptersOff", "layers_to_switch"]
+__all__ = ["AdaptersOff", "is_fresh_lora", "layers_to_switch"]
 
 
 def layers_to_switch(model: nn.Module) -> list[nn.Module] | None:
@@ -70,3 +70,17 @@ class AdaptersOff:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self.switched_off() as model:
             return model(*args, **kwargs)
+
+
+def is_fresh_lora(model: Any) -> bool:
+    """True for a PEFT LoRA model whose only adapter has all-zero B matrices (so it changes nothing yet).
+
+    TRL keeps a frozen copy of a passed-in adapter ("ref") as the KL reference, because the adapter might be
+    pretrained; a fresh one is the identity, so the base model with its adapters off is the same reference without
+    the copy's memory and compute (`AdaptersOff`).
+    """
+    peft_config = getattr(model, "peft_config", None)
+    if not isinstance(peft_config, dict) or list(peft_config) != ["default"]:
+        return False
+    b_weights = [p for n, p in model.named_parameters() if ".lora_B." in n or ".lora_embedding_B." in n]
+    return bool(b_weights) and all(not p.detach().any() for p in b_weights)

@@ -28,6 +28,7 @@ float rounding of fused kernels (tests: loss and every gradient against the eage
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import torch
@@ -39,6 +40,8 @@ from ..modes import checkpointing_mode
 from .quantized_generation import is_quantized_linear
 
 __all__ = ["COMPILED_CHILDREN", "CompiledLayers", "detach_all", "unsupported_reason"]
+
+logger = logging.getLogger(__name__)
 
 # The children of a checkpointable layer that are compiled (the attention and the MLP of transformers' layers).
 COMPILED_CHILDREN = ("self_attn", "mlp")
@@ -80,6 +83,29 @@ class CompiledLayers:
 
     def __init__(self) -> None:
         self.modules: list[nn.Module] = []
+        self._said: set[str] = set()
+
+    def attach_as_configured(self, model: nn.Module, setting: bool | None, blocked_by: str | None = None) -> None:
+        """`attach` as `VLMGRPOConfig.compile_layers` asks: None is on for a model on a GPU (where the training phase
+        is host-bound), False off. `blocked_by` names a trainer setting that rules it out (torch_compile, sharded
+        layers); that, or what `unsupported_reason` finds, leaves the layers uncompiled, said once when they were
+        asked for by name. Idempotent; compiled forwards another trainer left on the model are removed first (this
+        config decides)."""
+        if not self.modules:
+            detach_all(model)
+        if setting is False or (setting is None and next(model.parameters()).device.type != "cuda"):
+            return
+        reason = blocked_by or unsupported_reason(model)
+        if reason is not None:
+            if setting and reason not in self._said:  # asked for by name: say why not, once
+                self._said.add(reason)
+                logger.warning("compile_layers=True, but the layers are left uncompiled: %s.", reason)
+            return
+        before = len(self.modules)
+        count = self.attach(model)
+        if count != before:
+            logger.info("Compiled the training forward of %d attention / MLP modules (the first step compiles them).",
+                        count)  # fmt: skip
 
     def attach(self, model: nn.Module) -> int:
         """Give the `COMPILED_CHILDREN` of every checkpointable layer of `model` their compiled training forward;

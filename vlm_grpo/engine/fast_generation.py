@@ -38,6 +38,8 @@ from torch.profiler import record_function
 from ..compat import cache_kwarg
 from ..families import core_model
 from ..integrations.unsloth import uses_unsloth
+from ..media.batch_layout import LayoutUnknown, group_prompts, left_padded, select_rows
+from ..media.clips import Clip
 from ..private_api import (
     can_generate_fast,
     eos_tokens,
@@ -45,9 +47,8 @@ from ..private_api import (
     logits_processors,
     prepare_generation,
 )
-from ..videos import Clip
-from .batch_layout import ImageLayout, LayoutUnknown, as_tensors, group_rows, select_rows
 from .decode_attention import decode_attention
+from .decode_cache import DecodeCaches, copy_prefill
 from .decode_graph import DecodeGraphs, RecordingFailed
 from .fused_projections import FusedQKV
 from .lora_merge import MERGE_BACKUPS, BaseWeightBackup, merged_lora
@@ -74,30 +75,6 @@ logger = logging.getLogger(__name__)
 
 class FastPathUnavailable(RuntimeError):
     """Raised before any work is done when a batch cannot use the fast path; the caller uses the plain one."""
-
-
-def group_prompts(
-    prompt_ids: Sequence[Sequence[int]],
-    images_per_row: Sequence[int],
-    fields: dict[str, Any],
-    videos_per_row: Sequence[int] | None = None,
-) -> tuple[list[int], list[int]]:
-    """Find identical prompts: the same token ids and pixel-identical images and clips (`batch_layout.group_rows`).
-
-    Returns `(unique, inverse)`: the batch index of each distinct prompt's first row, and for every row the
-    position of its prompt in `unique`, so `unique[inverse[i]]` is a row identical to row `i`.
-
-    >>> group_prompts([[1, 2], [1, 2], [3]], [0, 0, 0], {})
-    ([0, 2], [0, 0, 1])
-    """
-    fields = as_tensors(fields)
-    layout = ImageLayout.of(fields, images_per_row, videos_per_row)
-    groups = group_rows([tuple(ids) for ids in prompt_ids], layout, fields)
-    inverse = [0] * len(prompt_ids)
-    for position, group in enumerate(groups):
-        for row in group:
-            inverse[row] = position
-    return [group[0] for group in groups], inverse
 
 
 CUDA_GRAPHS = ("recorded", "compiler")  # FastGenerator.cuda_graph
@@ -146,18 +123,20 @@ class FastGenerator:
     sample_in_graph: bool = True
     overlap_restore: bool = True
     stats: dict[str, int] = field(default_factory=lambda: {"calls": 0, "rows": 0, "prefill_rows": 0, "decode_steps": 0})
-    _caches: dict[tuple[int, int], Any] = field(default_factory=dict, repr=False)
     _compiled_call: Any = field(default=None, repr=False)
     _compiled_mode: str | None = field(default=None, repr=False)
     _graphs: DecodeGraphs = field(default_factory=DecodeGraphs, repr=False)
+    _decode_caches: DecodeCaches = field(
+        default=None, repr=False
+    )  # built with the graphs it tells about dropped caches
     _quantized_layers: QuantizedLayers | None = field(default=None, repr=False)
     _quantized_model: int | None = field(default=None, repr=False)
     _backup: BaseWeightBackup | None = field(default=None, repr=False)
     _fused: FusedQKV | None = field(default=None, repr=False)
-    _buffers: dict[tuple[int, int], DecodeBuffers] = field(default_factory=dict, repr=False)
     _kept_sampler: Sampler | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        self._decode_caches = DecodeCaches(self._graphs)
         if self.cuda_graph not in CUDA_GRAPHS:
             raise ValueError(f"cuda_graph must be one of {', '.join(CUDA_GRAPHS)}, got {self.cuda_graph!r}")
 
@@ -290,22 +269,8 @@ class FastGenerator:
 
         # Left-padded unique prompts, and their multimodal fields.
         width = max(len(ids) for ids in prompt_ids)
-        input_ids = torch.full((len(unique), width), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(unique), width), dtype=torch.long)
-        for i, row in enumerate(unique):
-            ids = prompt_ids[row]
-            input_ids[i, width - len(ids) :] = torch.tensor(ids)
-            attention_mask[i, width - len(ids) :] = 1
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-        kwargs: dict[str, Any] = {"attention_mask": attention_mask}
-        for key, value in unique_fields.items():
-            if isinstance(value, torch.Tensor):
-                kwargs[key] = value.to(device)
-            else:  # per-token lists (mm_token_type_ids / token_type_ids): left-padded like the ids
-                padded = torch.zeros((len(unique), width), dtype=torch.long)
-                for i, tokens in enumerate(value):
-                    padded[i, width - len(tokens) :] = torch.tensor(tokens)
-                kwargs[key] = padded.to(device)
+        input_ids, kwargs = left_padded([prompt_ids[row] for row in unique], unique_fields, width, pad_id, device)
+        attention_mask = kwargs["attention_mask"]
         # The position ids `generate` would use (Qwen's 3-D rotary positions included), computed by the model.
         positions = generation_position_ids(model, input_ids, kwargs)
 
@@ -325,15 +290,14 @@ class FastGenerator:
             kwargs[cache_kwarg(model)] = prefill_cache
             out = model(input_ids=input_ids, position_ids=positions, use_cache=True, logits_to_keep=1, **kwargs)
             index = torch.tensor(inverse, device=device)
-            cache = self._static_cache(model, batch, cache_len)
-            for layer_index, layer in enumerate(prefill_cache.layers):
-                cache.update(layer.keys.index_select(0, index), layer.values.index_select(0, index), layer_index)
+            cache = self._decode_caches.get(model, batch, cache_len)
+            copy_prefill(prefill_cache, cache, index)
             del prefill_cache
 
         # Every tensor the loop reads or writes lives in buffers that outlive the generation (`engine.token_loop`),
         # so a recorded step replays on the same addresses with nothing copied in.
         position = positions.index_select(-2, index)[..., -1:]  # last prompt position of every row
-        buffers = self._decode_buffers(batch, cache_len, tuple(position.shape), device)
+        buffers = self._decode_caches.buffers(batch, cache_len, tuple(position.shape), device)
         buffers.start(input_ids.index_select(0, index), attention_mask.index_select(0, index), position, pad_id)
         processors = on_device(logits_processors(model, config, buffers.tokens[:, :width], device, model_kwargs), width)
         sampler = self._sampler(Sampler(processors, bool(config.do_sample), eos, pad_id))
@@ -363,31 +327,6 @@ class FastGenerator:
         logprobs = buffers.logprobs[:, width : width + steps].cpu()
         ids = [row[: end + 1].tolist() for row, end in zip(completions.cpu(), ends)]
         return ids, [row[: end + 1].tolist() for row, end in zip(logprobs, ends)]
-
-    def _static_cache(self, model: nn.Module, batch: int, cache_len: int) -> Any:
-        """An empty static cache for (batch, cache_len), reused across calls: a CUDA graph replays only on the
-        same buffer addresses, so a fresh cache per call would re-record the graph every step."""
-        from transformers import StaticCache
-
-        cache = self._caches.get((batch, cache_len))
-        if cache is None:
-            for old in list(self._caches)[:-1]:  # keep at most two shapes alive (train and eval batches)
-                self._graphs.forget(self._caches.pop(old))
-            cache = self._caches[(batch, cache_len)] = StaticCache(config=model.config, max_cache_len=cache_len)
-        else:
-            cache.reset()
-        return cache
-
-    def _decode_buffers(self, batch: int, cache_len: int, position_shape: tuple[int, ...], device: torch.device):
-        """The loop's buffers for this shape, reused across calls (kept for two shapes, like the caches)."""
-        buffers = self._buffers.get((batch, cache_len))
-        if buffers is None or not buffers.fits(batch, cache_len, position_shape, device):
-            for old in list(self._buffers)[:-1]:
-                self._graphs.forget(self._buffers.pop(old))
-            buffers = self._buffers[(batch, cache_len)] = DecodeBuffers.allocate(
-                batch, cache_len, position_shape, device
-            )
-        return buffers
 
     def _sampler(self, sampler: Sampler) -> Sampler:
         """`sampler`, or the one kept from an earlier generation if it samples alike: a recorded step reads the

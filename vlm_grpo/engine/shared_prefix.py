@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from ..families import core_model, family_of, find_family, model_types
-from .batch_layout import ImageLayout, LayoutUnknown, group_rows
+from ..media.batch_layout import ImageLayout, LayoutUnknown, group_rows
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "SharedPrefixUnsupported", "shared_prefix_logps", "unsupported_reason"]
 

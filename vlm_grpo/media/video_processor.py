@@ -3,14 +3,14 @@
 transformers' video processors (`Qwen2VLVideoProcessor`, `Qwen3VLVideoProcessor`) subclass a torchvision backend and
 cannot be built where torchvision is missing (every CPU-only pip install of torch), and transformers ships no PIL
 variant of them as it does of the image processors. `QwenVideoProcessorPil` is that variant: it resizes frames with
-the family's own `smart_resize` (`vlm_grpo.video_budget.fed_frame_size`), rescales and normalises them the way the
+the family's own `smart_resize` (`vlm_grpo.media.video_budget.fed_frame_size`), rescales and normalises them the way the
 torchvision backend does (the mean and std fused with the rescale factor, in float32) and lays the patches out with
 the same view and permutation, so `pixel_values_videos` and `video_grid_thw` match the torchvision processor's for
-frames that need no resizing (the case in training: `vlm_grpo.video_budget.VideoBudget.fit` sizes frames first).
+frames that need no resizing (the case in training: `vlm_grpo.media.video_budget.VideoBudget.fit` sizes frames first).
 
 It never samples frames: the processor is called with the frames the video budget kept (`do_sample_frames=False`),
 and it returns their `video_metadata` for the processor's temporal positions (Qwen2.5-VL's `second_per_grid_ts`) and
-frame timestamps (Qwen3-VL). `vlm_grpo.processor` attaches it to the Qwen processors it builds without torchvision;
+frame timestamps (Qwen3-VL). `vlm_grpo.media.processor` attaches it to the Qwen processors it builds without torchvision;
 checkpoints are saved with the real class name, so plain transformers with torchvision loads its own.
 """
 
@@ -109,7 +109,7 @@ class QwenVideoProcessorPil:
         if kwargs.get("do_sample_frames"):
             raise ValueError(
                 "QwenVideoProcessorPil does not sample frames: pass the frames to use with do_sample_frames=False "
-                "(vlm_grpo.video_budget.VideoBudget picks them)."
+                "(vlm_grpo.media.video_budget.VideoBudget picks them)."
             )
         if kwargs.get("cap_pixels_per_frame"):
             raise ValueError("cap_pixels_per_frame=True needs transformers' torchvision video processor.")

@@ -13,7 +13,7 @@ sides that are multiples of patch x merge size, with an area between ``image_pro
 
 Other processors have no pixel budget: Gemma 3 resizes every image to a fixed square, Idefics3 / SmolVLM its longest
 edge to ``size["longest_edge"]`` before cutting tiles. For them the budget is ours alone: images are fitted to it
-before the processor (:func:`vlm_grpo.images.fit_pixel_budget`), which bounds the detail the model sees but not the
+before the processor (:func:`fit_pixel_budget`), which bounds the detail the model sees but not the
 image tokens (the processor's own settings fix those). ``from_pretrained`` refuses a budget for them, since their
 processor cannot keep one.
 """
@@ -21,6 +21,7 @@ processor cannot keep one.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,13 +30,15 @@ from typing import Any
 
 from PIL import Image
 
-from .families import FAMILIES
-from .images import check_pixel_budget, fit_pixel_budget
+from ..families import FAMILIES
+from ..validation import is_int
 
 __all__ = [
     "PixelBudget",
     "apply_pixel_budget",
+    "check_pixel_budget",
     "fed_size",
+    "fit_pixel_budget",
     "pixel_budget_for_call",
     "processor_pixel_budget",
     "resizes_by_pixel_budget",
@@ -132,6 +135,55 @@ def fed_size(image_processor: Any, width: int, height: int) -> tuple[int, int] |
     factor = image_processor.patch_size * image_processor.merge_size
     fed_height, fed_width = smart_resize(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
     return int(fed_width), int(fed_height)
+
+
+def check_pixel_budget(min_pixels: int | None, max_pixels: int | None) -> None:
+    """Raise ValueError unless each bound is None or a positive int and ``min_pixels <= max_pixels``.
+
+    The one validation of a pixel budget: the config, ``from_pretrained``, ``evaluate`` and :func:`fit_pixel_budget`
+    all call it.
+    """
+    for name, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
+        if value is not None and (not is_int(value) or value <= 0):
+            raise ValueError(f"{name} must be a positive integer or None, got {value!r}.")
+    if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
+        raise ValueError(f"min_pixels ({min_pixels}) is larger than max_pixels ({max_pixels}).")
+
+
+def fit_pixel_budget(img: Image.Image, min_pixels: int | None = None, max_pixels: int | None = None) -> Image.Image:
+    """Resize ``img`` (aspect ratio kept) so its area ``width * height`` is within ``[min_pixels, max_pixels]``.
+
+    Both sides are scaled by one factor and rounded toward the budget: down when shrinking, so the area never
+    exceeds ``max_pixels``; up when growing, so it reaches ``min_pixels``, unless the two bounds are closer than one
+    row of pixels, where ``max_pixels`` wins. A side never drops below 1 pixel, so a very elongated image keeps 1 pixel
+    on its short side and has its long side cut to ``max_pixels``. ``None`` means no bound.
+
+    Returns a copy when ``img`` is already inside the budget, else a BICUBIC resize; ``img`` is never modified.
+    For processors that resize by a budget themselves (Qwen-VL), :class:`vlm_grpo.media.pixel_budget.PixelBudget` fits
+    images with the processor's own rule instead.
+    """
+    check_pixel_budget(min_pixels, max_pixels)
+    size = _budget_size(img.width, img.height, min_pixels, max_pixels)
+    return img.copy() if size == img.size else img.resize(size, Image.Resampling.BICUBIC)
+
+
+def _budget_size(width: int, height: int, min_pixels: int | None, max_pixels: int | None) -> tuple[int, int]:
+    area = width * height
+    if max_pixels is not None and area > max_pixels:
+        scale = math.sqrt(max_pixels / area)
+        new_width, new_height = max(1, math.floor(width * scale)), max(1, math.floor(height * scale))
+    elif min_pixels is not None and area < min_pixels:
+        scale = math.sqrt(min_pixels / area)
+        new_width, new_height = math.ceil(width * scale), math.ceil(height * scale)
+    else:
+        return width, height
+    if max_pixels is not None and new_width * new_height > max_pixels:
+        # A side held at 1 pixel, or rounding up past a max_pixels just above min_pixels: cut the longer side.
+        if new_width >= new_height:
+            new_width = max(1, max_pixels // new_height)
+        else:
+            new_height = max(1, max_pixels // new_width)
+    return new_width, new_height
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""`vlm_grpo.videos`: every clip layout read into the same frames, and each kind of bad clip a named error."""
+"""`vlm_grpo.media.clips`: every clip layout read into the same frames, and each kind of bad clip a named error."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from conftest import write_video
 from PIL import Image
 
-from vlm_grpo.videos import Clip, VideoError, load_clip, probe_clip
+from vlm_grpo.media.clips import Clip, VideoError, load_clip, probe_clip
 
 
 def _frames(n: int = 6, size: tuple[int, int] = (32, 24)) -> list[Image.Image]:

@@ -3,7 +3,7 @@
 The Qwen2/2.5/3-VL processors bundle a *video* processor whose base class imports torchvision, so
 `AutoProcessor.from_pretrained` fails where torchvision is missing (every CPU-only pip install of
 torch, for one). There we build the same processor class with the PIL image processor and
-`vlm_grpo.video_processor.QwenVideoProcessorPil` in place of the torchvision video processor: the
+`vlm_grpo.media.video_processor.QwenVideoProcessorPil` in place of the torchvision video processor: the
 tokenizer, the chat template and every setting are the checkpoint's own.
 """
 
@@ -14,7 +14,7 @@ import json
 import os
 from typing import Any
 
-from .families import FAMILIES, find_family
+from ..families import FAMILIES, find_family
 
 __all__ = ["QWEN_PROCESSORS", "build_qwen_processor", "load_processor"]
 
@@ -89,7 +89,7 @@ def build_qwen_processor(
     video_processor: Any = None,
 ) -> Any:
     """Build a Qwen-VL processor from an image processor, a tokenizer and a PIL video processor
-    (`vlm_grpo.video_processor.QwenVideoProcessorPil`; None: built from the image processor's settings)."""
+    (`vlm_grpo.media.video_processor.QwenVideoProcessorPil`; None: built from the image processor's settings)."""
     from .video_processor import VIDEO_KEYS, QwenVideoProcessorPil
 
     if model_type not in QWEN_PROCESSORS:

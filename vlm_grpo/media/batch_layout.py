@@ -258,7 +258,7 @@ def _image_key(image: Any) -> bytes | None:
 
 
 def _clip_key(clip: Any) -> bytes | None:
-    """A digest of a clip's frames and timing (`vlm_grpo.videos.Clip`); None for anything else."""
+    """A digest of a clip's frames and timing (`vlm_grpo.media.clips.Clip`); None for anything else."""
     frames = getattr(clip, "frames", None)
     if not isinstance(frames, tuple) or not all(_image_key(f) is not None for f in frames):
         return None
@@ -317,3 +317,56 @@ def distinct_prompts(prompts: Sequence[Any]) -> tuple[list[int], list[int]] | No
             unique.append(row)
         inverse.append(positions[key])
     return unique, inverse
+
+
+def group_prompts(
+    prompt_ids: Sequence[Sequence[int]],
+    images_per_row: Sequence[int],
+    fields: dict[str, Any],
+    videos_per_row: Sequence[int] | None = None,
+) -> tuple[list[int], list[int]]:
+    """Find identical prompts: the same token ids and pixel-identical images and clips (`batch_layout.group_rows`).
+
+    Returns `(unique, inverse)`: the batch index of each distinct prompt's first row, and for every row the
+    position of its prompt in `unique`, so `unique[inverse[i]]` is a row identical to row `i`.
+
+    >>> group_prompts([[1, 2], [1, 2], [3]], [0, 0, 0], {})
+    ([0, 2], [0, 0, 1])
+    """
+    fields = as_tensors(fields)
+    layout = ImageLayout.of(fields, images_per_row, videos_per_row)
+    groups = group_rows([tuple(ids) for ids in prompt_ids], layout, fields)
+    inverse = [0] * len(prompt_ids)
+    for position, group in enumerate(groups):
+        for row in group:
+            inverse[row] = position
+    return [group[0] for group in groups], inverse
+
+
+def left_padded(
+    prompt_ids: Sequence[Sequence[int]], fields: dict[str, Any], width: int, pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """`(input_ids, kwargs)` for a forward over `prompt_ids`, left-padded to `width` with `pad_id`: the attention mask
+    and `fields` (one row per prompt) on `device` in `kwargs`, per-token lists (`mm_token_type_ids`, `token_type_ids`)
+    left-padded like the ids.
+
+    >>> ids, kwargs = left_padded([[5, 6], [7]], {}, 3, 0, torch.device("cpu"))
+    >>> ids.tolist(), kwargs["attention_mask"].tolist()
+    ([[0, 5, 6], [0, 0, 7]], [[0, 1, 1], [0, 0, 1]])
+    """
+    rows = len(prompt_ids)
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((rows, width), dtype=torch.long)
+    for i, ids in enumerate(prompt_ids):
+        input_ids[i, width - len(ids) :] = torch.tensor(ids)
+        attention_mask[i, width - len(ids) :] = 1
+    kwargs: dict[str, Any] = {"attention_mask": attention_mask.to(device)}
+    for key, value in fields.items():
+        if isinstance(value, torch.Tensor):
+            kwargs[key] = value.to(device)
+        else:
+            padded = torch.zeros((rows, width), dtype=torch.long)
+            for i, tokens in enumerate(value):
+                padded[i, width - len(tokens) :] = torch.tensor(tokens)
+            kwargs[key] = padded.to(device)
+    return input_ids.to(device), kwargs

@@ -11,7 +11,7 @@ Both are decided here, once, for training, evaluation and every input layout:
   each frame's index and the source's rate passed on for Qwen's temporal positions and timestamps.
 - **Pixels.** Qwen-VL's video processors resize by a pixel budget of their own, `video_processor.size`
   (`shortest_edge` / `longest_edge`): per frame for Qwen2/2.5-VL, over frames x area of the whole clip for Qwen3-VL
-  (`vlm_grpo.families.Family.video_budget`). As with images (`vlm_grpo.pixel_budget`), those settings are the budget:
+  (`vlm_grpo.families.Family.video_budget`). As with images (`vlm_grpo.media.pixel_budget`), those settings are the budget:
   `VLMGRPOConfig.video_min_pixels` / `video_max_pixels` overwrite them (logged), and frames are resized once, to the
   size the processor's own `smart_resize` gives, so the processor resizes nothing.
 
@@ -30,11 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from .families import FAMILIES
-from .images import check_pixel_budget
-from .pixel_budget import update_size_budget
-from .validation import is_int
-from .videos import Clip, load_clip
+from ..families import FAMILIES
+from ..validation import is_int
+from .clips import Clip, load_clip
+from .pixel_budget import check_pixel_budget, update_size_budget
 
 __all__ = [
     "DEFAULT_FPS",
@@ -141,11 +140,14 @@ class VideoBudget:
         size = fed_frame_size(self.video_processor, len(clip.frames), *clip.size)
         if size is None:
             return clip
+        if size == clip.size:
+            return clip
         resample = getattr(self.video_processor, "resample", None)
-        return clip.resized(size, resample if isinstance(resample, int) else 3)  # 3: PIL's BICUBIC
+        resample = resample if isinstance(resample, int) else 3  # 3: PIL's BICUBIC
+        return Clip(tuple(f.resize(size, resample) for f in clip.frames), clip.fps, clip.indices, clip.total_frames)
 
     def load(self, value: Any) -> Clip:
-        """A row's clip (any form `vlm_grpo.videos.load_clip` reads), sampled and sized by this budget."""
+        """A row's clip (any form `vlm_grpo.media.clips.load_clip` reads), sampled and sized by this budget."""
         return self.fit(load_clip(value, self.frame_indices))
 
 

@@ -1,4 +1,4 @@
-"""Image loading, normalisation to RGB, and pixel-budget resizing.
+"""Image loading and normalisation to RGB (fitting to the pixel budget: `vlm_grpo.media.pixel_budget`).
 
 Dataset rows reach the trainer as PIL images, file paths, encoded bytes, numpy
 arrays or the ``{"bytes": ..., "path": ...}`` dicts that ``datasets.Image``
@@ -10,7 +10,6 @@ input cannot be used.
 from __future__ import annotations
 
 import io
-import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -18,12 +17,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps
 
-from .validation import is_int
-
 __all__ = [
     "ImageError",
-    "check_pixel_budget",
-    "fit_pixel_budget",
     "load_image",
     "load_rgb_images",
     "normalize_image",
@@ -262,58 +257,6 @@ def _gray_to_rgb(values: np.ndarray, full_scale: float) -> Image.Image:
     gray = _scale_to_uint8(values, full_scale)
     height, width = gray.shape
     return Image.frombytes("L", (width, height), gray.tobytes()).convert("RGB")
-
-
-# ---------------------------------------------------------------------- pixel budget
-
-
-def check_pixel_budget(min_pixels: int | None, max_pixels: int | None) -> None:
-    """Raise ValueError unless each bound is None or a positive int and ``min_pixels <= max_pixels``.
-
-    The one validation of a pixel budget: the config, ``from_pretrained``, ``evaluate`` and :func:`fit_pixel_budget`
-    all call it.
-    """
-    for name, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
-        if value is not None and (not is_int(value) or value <= 0):
-            raise ValueError(f"{name} must be a positive integer or None, got {value!r}.")
-    if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
-        raise ValueError(f"min_pixels ({min_pixels}) is larger than max_pixels ({max_pixels}).")
-
-
-def fit_pixel_budget(img: Image.Image, min_pixels: int | None = None, max_pixels: int | None = None) -> Image.Image:
-    """Resize ``img`` (aspect ratio kept) so its area ``width * height`` is within ``[min_pixels, max_pixels]``.
-
-    Both sides are scaled by one factor and rounded toward the budget: down when shrinking, so the area never
-    exceeds ``max_pixels``; up when growing, so it reaches ``min_pixels``, unless the two bounds are closer than one
-    row of pixels, where ``max_pixels`` wins. A side never drops below 1 pixel, so a very elongated image keeps 1 pixel
-    on its short side and has its long side cut to ``max_pixels``. ``None`` means no bound.
-
-    Returns a copy when ``img`` is already inside the budget, else a BICUBIC resize; ``img`` is never modified.
-    For processors that resize by a budget themselves (Qwen-VL), :class:`vlm_grpo.pixel_budget.PixelBudget` fits
-    images with the processor's own rule instead.
-    """
-    check_pixel_budget(min_pixels, max_pixels)
-    size = _budget_size(img.width, img.height, min_pixels, max_pixels)
-    return img.copy() if size == img.size else img.resize(size, Image.Resampling.BICUBIC)
-
-
-def _budget_size(width: int, height: int, min_pixels: int | None, max_pixels: int | None) -> tuple[int, int]:
-    area = width * height
-    if max_pixels is not None and area > max_pixels:
-        scale = math.sqrt(max_pixels / area)
-        new_width, new_height = max(1, math.floor(width * scale)), max(1, math.floor(height * scale))
-    elif min_pixels is not None and area < min_pixels:
-        scale = math.sqrt(min_pixels / area)
-        new_width, new_height = math.ceil(width * scale), math.ceil(height * scale)
-    else:
-        return width, height
-    if max_pixels is not None and new_width * new_height > max_pixels:
-        # A side held at 1 pixel, or rounding up past a max_pixels just above min_pixels: cut the longer side.
-        if new_width >= new_height:
-            new_width = max(1, max_pixels // new_height)
-        else:
-            new_height = max(1, max_pixels // new_width)
-    return new_width, new_height
 
 
 # -------------------------------------------------------------------- one-stop entry

@@ -15,22 +15,28 @@ from typing import Any
 
 import torch
 
-from .engine.batch_layout import VIDEO_KEYS, distinct_prompts, select_rows
-from .families import find_family, model_types
-from .videos import Clip
+from ..families import find_family, model_types
+from .batch_layout import VIDEO_KEYS, distinct_prompts, select_rows
+from .clips import Clip
 
 __all__ = [
     "ROW_VISION_KEYS",
+    "VISION_ROWS",
     "check_video_support",
     "holds_clips",
     "process_prompts",
     "prompt_media",
+    "refuse_clip_settings",
     "row_vision_inputs",
     "tokenize_clip_prompts",
+    "tokenize_distinct",
 ]
 
 #: The processor outputs kept per row of a batch with clips (what the model needs besides the token ids).
 ROW_VISION_KEYS = ("pixel_values", "image_grid_thw", *VIDEO_KEYS)
+#: The key under which a trainer's batch with clips carries each row's vision inputs (a list, one dict per row, so
+#: TRL's shuffle and split of a generation batch keep them with their rows).
+VISION_ROWS = "vlm_grpo_vision_rows"
 
 
 def prompt_media(prompt: Any) -> tuple[list[Any], list[Clip]]:
@@ -108,6 +114,38 @@ def check_video_support(processor: Any, model: Any = None) -> None:
             f"The rows have clips (a `video` / `videos` column or `<video>` placeholders), but {which} take no video. "
             f"Use a family that does ({', '.join(model_types(lambda f: f.supports_video))}), or drop the clips."
         )
+
+
+def refuse_clip_settings(args: Any, kwargs: dict[str, Any]) -> None:
+    """Refuse trainer settings whose code paths would drop a batch's clips (TRL's own paths know only images);
+    `kwargs` are the trainer's keyword arguments for TRL."""
+    blockers = {
+        "use_vllm=True: vLLM generation": getattr(args, "use_vllm", False),
+        "use_liger_kernel=True: Liger's GRPO loss": getattr(args, "use_liger_kernel", False),
+        "tool-calling rollouts (tools / environment_factory)": kwargs.get("tools") or kwargs.get("environment_factory"),
+        "a custom rollout_func": kwargs.get("rollout_func"),
+    }
+    found = [name for name, on in blockers.items() if on]
+    if found:
+        raise ValueError(
+            f"The rows have clips, but {found[0]} takes images only and would train without them. Turn it off for "
+            "video training (the in-process fast generation and shared-prefix paths serve clips)."
+        )
+
+
+def tokenize_distinct(tokenize: Any, prompts: Sequence[Any]) -> tuple[list[list[int]], Any, dict[str, Any]]:
+    """TRL's `_tokenize_prompts` (`tokenize`) run once per distinct prompt of `prompts` and its outputs repeated for
+    each row: the same ids and tensors as running it on every row, which TRL does (every prompt repeated
+    `num_generations` times), with the tokenizer and the image processor on the CPU."""
+    distinct = distinct_prompts(prompts)
+    if distinct is None or len(distinct[0]) == len(prompts):
+        return tokenize(prompts)
+    unique, inverse = distinct
+    prompt_ids, images, fields = tokenize([prompts[row] for row in unique])
+    images_per_row = [len(row or []) for row in images] if images is not None else [0] * len(unique)
+    fields = select_rows(fields, images_per_row, inverse)
+    images = [images[i] for i in inverse] if images is not None else None
+    return [prompt_ids[i] for i in inverse], images, fields
 
 
 def tokenize_clip_prompts(

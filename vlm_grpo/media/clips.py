@@ -1,13 +1,13 @@
 """Video clips: loading them from what a dataset row holds, and the errors that name what is wrong with one.
 
-A row's clip may be a list of frames (anything `vlm_grpo.images.load_image` reads: PIL images, arrays, paths, bytes),
+A row's clip may be a list of frames (anything `vlm_grpo.media.images.load_image` reads: PIL images, arrays, paths, bytes),
 a 4-D array of frames (T x H x W x C), a folder of frame images (read in natural order: `frame_2` before `frame_10`),
 a video file (decoded with PyAV, see below), or a `{"frames": [...], "fps": 8.0}` dict giving the rate of its frames.
 Each becomes a :class:`Clip`: upright RGB frames of one size, with where they came from (the source's frame rate and
 the index of every kept frame), which Qwen-VL's processors turn into temporal positions (`second_per_grid_ts`) and
 frame timestamps.
 
-Which frames are kept is not decided here: `load_clip` takes the rule (`vlm_grpo.video_budget.VideoBudget` owns it)
+Which frames are kept is not decided here: `load_clip` takes the rule (`vlm_grpo.media.video_budget.VideoBudget` owns it)
 and decodes only those frames of a file.
 
 Decoding: PyAV (`pip install 'vlm-grpo[video]'`), FFmpeg's own libraries in a self-contained wheel for Linux, macOS
@@ -85,12 +85,6 @@ class Clip:
             "duration": self.total_frames / self.fps if self.fps else None,
         }
 
-    def resized(self, size: tuple[int, int], resample: int = Image.Resampling.BICUBIC) -> Clip:
-        """This clip with every frame at `size` (`(width, height)`); itself when they already are."""
-        if size == self.size:
-            return self
-        return Clip(tuple(f.resize(size, resample) for f in self.frames), self.fps, self.indices, self.total_frames)
-
 
 def is_clip_value(value: Any) -> bool:
     """Whether `value` is something `load_clip` could read (not whether it reads: see `probe_clip`)."""
@@ -131,7 +125,7 @@ def load_clip(value: Any, sample: FrameSampler | None = None) -> Clip:
     """Read a clip, keeping the frames `sample(total_frames, fps)` picks (all of them without a sampler).
 
     Only the picked frames of a video file are decoded (decoding stops after the last one). Frames come out upright
-    8-bit RGB (`vlm_grpo.images.normalize_image`), all of one size.
+    8-bit RGB (`vlm_grpo.media.images.normalize_image`), all of one size.
 
     Raises:
         VideoError: as `probe_clip`, or a file whose frames cannot be decoded.

@@ -1,0 +1,34 @@
+"""Third-party log lines that report no problem are dropped; the same lines reporting a real one are kept."""
+
+import logging
+import os
+import subprocess
+import sys
+
+import vlm_grpo  # noqa: F401 (installs the filters)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _logged(caplog, cause: Exception) -> list[str]:
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="bitsandbytes.backends.cpu.ops"):
+        logging.getLogger("bitsandbytes.backends.cpu.ops").warning(
+            "Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you already `pip "
+            "install kernels` and the kernels >= 0.11.1", cause,
+        )  # fmt: skip
+    return [r.getMessage() for r in caplog.records]
+
+
+def test_the_optional_kernels_package_missing_is_not_reported_but_other_causes_are(caplog):
+    assert _logged(caplog, ModuleNotFoundError("No module named 'kernels'", name="kernels")) == []
+    kept = _logged(caplog, ModuleNotFoundError("No module named 'torch_extra'", name="torch_extra"))
+    assert len(kept) == 1 and "torch_extra" in kept[0]
+    assert len(_logged(caplog, RuntimeError("Hub unreachable"))) == 1
+
+
+def test_importing_the_trainer_prints_nothing():
+    # PEFT imports bitsandbytes when it is installed (the dev extras install it): its import warning is the case.
+    proc = subprocess.run([sys.executable, "-c", "import vlm_grpo.trainer"], check=False, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == "", proc.stderr

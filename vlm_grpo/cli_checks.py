@@ -1,0 +1,160 @@
+"""The `vlm-grpo` command's checks that need no model or data, made before anything is written: each failure is a
+`UsageError` (one line naming the fix, exit status 2). `resume_checkpoint` decides which checkpoint a run continues
+from, and refuses a run that would overwrite an earlier one's."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .cli_args import AUTO, TINY_PREFIX, ScriptArguments, UsageError
+from .families import model_types
+
+__all__ = ["check_args", "resolve_rewards", "resume_checkpoint"]
+
+
+def resolve_rewards(names: list[str] | None) -> list[Any]:
+    """`--reward_funcs` names -> functions (`vlm_grpo.rewards.resolve_reward`); an unknown one is a `UsageError`."""
+    from .rewards import resolve_reward
+
+    try:
+        return [resolve_reward(name) for name in names or []]
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+
+
+def _check_video_task(script: ScriptArguments) -> None:
+    """A video task on a tiny family that takes no video is refused before anything is built."""
+    from .data.tasks import TASK_SPECS
+    from .families import FAMILIES
+
+    family = FAMILIES.get(script.model[len(TINY_PREFIX) :]) if script.model.startswith(TINY_PREFIX) else None
+    spec = TASK_SPECS.get(script.task) if script.dataset is None else None
+    if spec is not None and spec.video and family is not None and not family.supports_video:
+        raise UsageError(
+            f"--task {script.task} is a video task and {script.model} takes no video; use one of "
+            f"{', '.join(TINY_PREFIX + t for t in model_types(lambda f: f.supports_video and f.tiny))}."
+        )
+
+
+def check_args(script: ScriptArguments, config: Any) -> None:
+    """Every check that needs no model or data, before anything is written; raises `UsageError`."""
+    from .data import DIFFICULTIES, TASKS
+    from .model import check_quantization
+    from .tiny import TINY_FAMILIES
+
+    if script.dataset is None:
+        if script.task not in TASKS:
+            raise UsageError(
+                f"unknown --task {script.task!r}; choose one of {', '.join(TASKS)} (or train on --dataset)."
+            )
+        if script.difficulty not in DIFFICULTIES:
+            raise UsageError(
+                f"--difficulty must be one of {', '.join(map(str, DIFFICULTIES))}, got {script.difficulty}."
+            )
+        if script.test_size is not None and (script.test_size < 1 or script.test_size != int(script.test_size)):
+            raise UsageError(f"--test_size for a synthetic task is a count >= 1, got {script.test_size:g}.")
+        if script.prompt_template is not None and "{prompt}" not in script.prompt_template:
+            raise UsageError("--prompt_template must contain {prompt}, where the question goes.")
+    elif script.test_size is not None and script.test_size < 0:
+        raise UsageError(f"--test_size must be a fraction in (0, 1), a count, or 0, got {script.test_size:g}.")
+    if script.model.startswith(TINY_PREFIX) and script.model[len(TINY_PREFIX) :] not in TINY_FAMILIES:
+        raise UsageError(
+            f"Unknown tiny family {script.model[len(TINY_PREFIX) :]!r}; choose one of {', '.join(TINY_FAMILIES)}."
+        )
+    _check_video_task(script)
+    if script.model.startswith((".", "/", "~")) and not os.path.exists(os.path.expanduser(script.model)):
+        raise UsageError(f"--model {script.model}: no such directory.")
+    try:
+        check_quantization(script.load_in_4bit, script.load_in_8bit)
+    except (ValueError, RuntimeError, ImportError) as error:
+        raise UsageError(f"--load_in_{'4' if script.load_in_4bit else '8'}bit: {error}") from error
+    _check_training_values(config)
+    funcs = resolve_rewards(script.reward_funcs)
+    resolve_rewards([script.accuracy_reward] if script.accuracy_reward else [])
+    if config.reward_weights is not None and len(config.reward_weights) != max(len(funcs), 1):
+        raise UsageError(
+            f"--reward_weights has {len(config.reward_weights)} value(s) for {max(len(funcs), 1)} reward function(s)."
+        )
+
+
+def resume_checkpoint(script: ScriptArguments, config: Any) -> str | None:
+    """The checkpoint the run continues from (None: a new run), once --output_dir is known to take this run without
+    mixing it with another: a new run into a directory holding checkpoints, or a finished run's `final/`, is refused
+    unless `--overwrite_output_dir`. `--resume_from_checkpoint` with no value (`auto`, or `true` from YAML) is the newest
+    complete checkpoint (`vlm_grpo.checkpoints`), or a new run where there is no checkpoint at all. Raises
+    `UsageError`; writes nothing."""
+    from .checkpoints import checkpoint_dirs, incomplete_reason, newest_complete_checkpoint
+
+    requested = config.resume_from_checkpoint
+    requested = None if requested in (False, None, "") else requested
+    existing = checkpoint_dirs(config.output_dir)
+    if requested is not None and script.overwrite_output_dir:
+        raise UsageError("--resume_from_checkpoint continues the run in --output_dir, --overwrite_output_dir starts "
+                         "it over; choose one.")  # fmt: skip
+    if requested is None:
+        if existing and not script.overwrite_output_dir:
+            names = ", ".join(os.path.basename(c) for c in existing[-3:])
+            raise UsageError(f"--output_dir {config.output_dir} holds checkpoints of an earlier run ({names}): continue "
+                             "it with --resume_from_checkpoint, or start over with --overwrite_output_dir.")  # fmt: skip
+        _refuse_a_finished_run(script, config)
+        return None
+    if requested is True or str(requested).lower() in (AUTO, "true"):
+        if not existing:
+            _refuse_a_finished_run(script, config)  # nothing to resume, and a new run would overwrite its model
+            print(f"--resume_from_checkpoint: no checkpoint in {config.output_dir}, starting a new run", flush=True)
+            return None
+        checkpoint = newest_complete_checkpoint(config.output_dir)
+        if checkpoint is None:
+            raise UsageError(f"--resume_from_checkpoint: no checkpoint in {config.output_dir} is complete ("
+                             f"{os.path.basename(existing[-1])}: {incomplete_reason(existing[-1])}); name one, or start "
+                             "over with --overwrite_output_dir.")  # fmt: skip
+    else:
+        checkpoint = os.path.expanduser(str(requested))
+        if not os.path.isdir(checkpoint):
+            raise UsageError(f"--resume_from_checkpoint {requested}: no such directory (a checkpoint-N directory, or "
+                             f"`{AUTO}` for the newest complete one in --output_dir).")  # fmt: skip
+        if reason := incomplete_reason(checkpoint):
+            raise UsageError(f"--resume_from_checkpoint {requested} is not a complete checkpoint: {reason}.")
+    print(f"resuming from {checkpoint}", flush=True)
+    _note_generation_batch_split(config, checkpoint)
+    return checkpoint
+
+
+def _refuse_a_finished_run(script: ScriptArguments, config: Any) -> None:
+    """A new run into a directory holding a finished run's `final/` (a run that kept no checkpoints) would overwrite
+    its trained model: refused unless `--overwrite_output_dir`."""
+    final = os.path.join(config.output_dir, "final")
+    if os.path.lexists(final) and not script.overwrite_output_dir:
+        raise UsageError(f"--output_dir {config.output_dir} holds an earlier run's trained model ({final}): choose "
+                         "another --output_dir, or replace it with --overwrite_output_dir.")  # fmt: skip
+
+
+def _note_generation_batch_split(config: Any, checkpoint: str) -> None:
+    """Say so when the checkpoint falls inside a generation batch: TRL keeps the batch's completions in memory only
+    (`_buffered_inputs`), so the resumed run generates new ones there and does not repeat the interrupted run."""
+    import json
+
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        micro_steps = json.load(f)["global_step"] * config.gradient_accumulation_steps
+    shared = (config.steps_per_generation or 1) * config.num_iterations  # micro-steps one generation batch serves
+    if micro_steps % shared:
+        print(f"note: {os.path.basename(checkpoint)} falls inside a generation batch ({shared} micro-steps share one): "
+              "the resumed steps train on newly generated completions. Saving every multiple of "
+              "steps_per_generation x num_iterations / gradient_accumulation_steps steps avoids this.", flush=True)  # fmt: skip
+
+
+def _check_training_values(config: Any) -> None:
+    """Values transformers accepts but the run would fail on later (the optimizer, after the model is built and the
+    baseline evaluated) or that would overwrite something that is not a run directory."""
+    if config.output_dir and os.path.exists(config.output_dir) and not os.path.isdir(config.output_dir):
+        raise UsageError(f"--output_dir {config.output_dir} is a file; name a directory (new or a run's).")
+    if config.learning_rate < 0:
+        raise UsageError(f"--learning_rate must be >= 0, got {config.learning_rate:g}.")
+    if config.weight_decay < 0:
+        raise UsageError(f"--weight_decay must be >= 0, got {config.weight_decay:g}.")
+    if config.adam_epsilon < 0:
+        raise UsageError(f"--adam_epsilon must be >= 0, got {config.adam_epsilon:g}.")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(config, name) < 1:
+            raise UsageError(f"--{name} must be in [0, 1), got {getattr(config, name):g}.")

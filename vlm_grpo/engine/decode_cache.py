@@ -1,0 +1,62 @@
+"""The decode loop's caches and buffers: one set per (batch, length), reused across generations, filled from a prefill.
+
+A recorded CUDA graph (`engine.decode_graph`) replays only on the addresses it was recorded on, so a fresh cache per
+generation would record the graph again every step: caches are kept per shape (at most two, the training and the
+evaluation batch's) and reset between generations, and the graphs recorded on a dropped cache are forgotten with it.
+The prompt is prefilled once per group into a dynamic cache and copied into every row of its group (`copy_prefill`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .decode_graph import DecodeGraphs
+from .token_loop import DecodeBuffers
+
+__all__ = ["DecodeCaches", "copy_prefill"]
+
+
+class DecodeCaches:
+    """transformers' `StaticCache`s by (batch, length), at most two alive; `graphs` forgets what was recorded on one
+    that is dropped."""
+
+    def __init__(self, graphs: DecodeGraphs, keep: int = 2) -> None:
+        self.graphs, self.keep = graphs, keep
+        self.caches: dict[tuple[int, int], Any] = {}
+        self.decode_buffers: dict[tuple[int, int], DecodeBuffers] = {}
+
+    def _make_room(self, kept: dict) -> None:
+        for old in list(kept)[: max(len(kept) - self.keep + 1, 0)]:
+            self.graphs.forget(kept.pop(old))
+
+    def get(self, model: nn.Module, batch: int, cache_len: int) -> Any:
+        """An empty static cache for (batch, cache_len): the one kept for that shape, reset, or a new one."""
+        from transformers import StaticCache
+
+        cache = self.caches.get((batch, cache_len))
+        if cache is None:
+            self._make_room(self.caches)
+            cache = self.caches[(batch, cache_len)] = StaticCache(config=model.config, max_cache_len=cache_len)
+        else:
+            cache.reset()
+        return cache
+
+    def buffers(
+        self, batch: int, cache_len: int, position_shape: tuple[int, ...], device: torch.device
+    ) -> DecodeBuffers:
+        """The decode loop's buffers (`engine.token_loop`) for this shape, reused across calls, kept like the caches."""
+        buffers = self.decode_buffers.get((batch, cache_len))
+        if buffers is None or not buffers.fits(batch, cache_len, position_shape, device):
+            self._make_room(self.decode_buffers)
+            buffers = DecodeBuffers.allocate(batch, cache_len, position_shape, device)
+            self.decode_buffers[(batch, cache_len)] = buffers
+        return buffers
+
+
+def copy_prefill(prefill: Any, cache: Any, index: torch.Tensor) -> None:
+    """Write the prefill cache's keys and values into `cache`, row `index[i]` of the prefill into row `i`."""
+    for layer_index, layer in enumerate(prefill.layers):
+        cache.update(layer.keys.index_select(0, index), layer.values.index_select(0, index), layer_index)

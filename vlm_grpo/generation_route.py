@@ -1,0 +1,110 @@
+"""Which path generates a trainer's rollouts: the fast generator, or TRL's own `_generate_single_turn`.
+
+The fast generator (`vlm_grpo.engine.fast_generation`) serves in-process generation on one GPU, under DDP, FSDP2 and
+ZeRO-3 (weights gathered once per rollout). TRL's path serves vLLM, transformers' continuous batching, tool-calling
+rollouts, FSDP1, ZeRO-3 without gathering, and anything the generator itself cannot serve (`FastPathUnavailable`);
+each reason is logged once per run (`trainer._fast_generation_fallbacks`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from trl.models.utils import unwrap_model_for_generation
+
+from .engine.fast_generation import FastGenerator, FastPathUnavailable
+from .engine.sharded import full_weights
+from .engine.sharded import unsupported_reason as sharded_unsupported_reason
+from .modes import checkpointing_off
+
+__all__ = ["compile_setting", "fast_generate", "generation_blocker", "is_zero3", "make_generator"]
+
+logger = logging.getLogger(__name__)
+
+
+def is_zero3(trainer: Any) -> bool:
+    """Whether `trainer` runs under DeepSpeed ZeRO-3 (weights sharded, gathered by TRL for generation)."""
+    plugin = trainer.accelerator.state.deepspeed_plugin if trainer.is_deepspeed_enabled else None
+    return plugin is not None and plugin.zero_stage == 3
+
+
+def compile_setting(args: Any, sharded: bool) -> bool | None:
+    """`fast_generation_compile`, with None resolved to off for sharded models: their weights are gathered into fresh
+    memory for every generation, so a CUDA graph recorded on one step's addresses would be recorded again at every
+    step, and eager decoding is faster there."""
+    compile = getattr(args, "fast_generation_compile", None)
+    return False if compile is None and sharded else compile
+
+
+def make_generator(trainer: Any) -> FastGenerator:
+    """The fast generator `trainer`'s config asks for."""
+    args = trainer.args
+    return FastGenerator(
+        compile=compile_setting(args, sharded=trainer.is_fsdp_enabled or is_zero3(trainer)),
+        merge_lora=getattr(args, "fast_generation_merge_lora", True),
+        merge_backup=getattr(args, "fast_generation_merge_backup", "auto"),
+        quantized=getattr(args, "fast_generation_quantized", "auto"),
+    )
+
+
+def generation_blocker(trainer: Any, has_tool_images: bool) -> str | None:
+    """Why `trainer` generates on TRL's plain path (None: the fast path can serve it)."""
+    # TRL's attributes read plainly (vlm_grpo.private_api.TRAINER_ATTRIBUTES, checked against TRL by a test).
+    if trainer.use_vllm or trainer.use_transformers_continuous_batching:
+        return "generation runs in vLLM / transformers continuous batching"
+    if trainer.tools or has_tool_images or trainer.environment_factories is not None:
+        return "tool-calling rollouts re-enter generation with tool results"
+    if trainer.is_fsdp_enabled and (reason := sharded_unsupported_reason(trainer.model_wrapped)):
+        return reason
+    if is_zero3(trainer) and not trainer.args.ds3_gather_for_generation:
+        return "ds3_gather_for_generation=False: ZeRO-3 weights stay sharded while generating"
+    return trainer.fast_generator.unsupported_reason(trainer.accelerator.unwrap_model(trainer.model))
+
+
+@contextlib.contextmanager
+def _unwrapped_for_generation(trainer: Any) -> Iterator[Any]:
+    """The model without DDP / DeepSpeed wrappers; under ZeRO-3, TRL's context, which gathers the weights (with
+    checkpointing off around it, which it would switch back on with the config's kwargs)."""
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    if not is_zero3(trainer):
+        yield unwrapped  # TRL's context would add a walk of the model to switch checkpointing off and on, for nothing
+        return
+    with checkpointing_off(unwrapped), unwrap_model_for_generation(
+        trainer.model_wrapped, trainer.accelerator, generation_kwargs=trainer.generation_kwargs
+    ) as model:  # fmt: skip
+        yield model
+
+
+def fast_generate(
+    trainer: Any, prompt_ids: Any, images: Any, multimodal_fields: dict[str, Any], has_tool_images: bool = False
+) -> tuple[list[list[int]], list[list[float]]] | None:
+    """`(completion_ids, sampler log-probs)` from the fast generator, or None when TRL's path must serve this call
+    (the reason logged once per run)."""
+    if not getattr(trainer.args, "fast_generation", False):
+        return None
+    reason = generation_blocker(trainer, has_tool_images)
+    if reason is None:
+        # FSDP2 units are unsharded here, once for the whole rollout rather than per layer per token.
+        with (
+            _unwrapped_for_generation(trainer) as model,
+            full_weights(trainer.model_wrapped) if trainer.is_fsdp_enabled else contextlib.nullcontext(),
+        ):
+            try:
+                return trainer.fast_generator.generate(
+                    model, prompt_ids, images, multimodal_fields, trainer.generation_config,
+                    trainer._tokenizer.pad_token_id,
+                    # The base weights come back while TRL's scoring forward runs (`_score_rollouts` waits for them
+                    # after it); not where the weights are resharded on leaving these contexts, nor under
+                    # torch_compile (Dynamo does not run the hooks that make each layer wait for its weight).
+                    defer_restore=not (trainer.is_fsdp_enabled or is_zero3(trainer) or trainer.args.torch_compile),
+                    return_logprobs=True,
+                )  # fmt: skip
+            except FastPathUnavailable as error:
+                reason = str(error)
+    if reason not in trainer._fast_generation_fallbacks:  # say it once per reason, not every step
+        trainer._fast_generation_fallbacks.add(reason)
+        logger.warning("Fast generation is off for this batch (%s); using TRL's model.generate.", reason)
+    return None

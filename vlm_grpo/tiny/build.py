@@ -1,0 +1,109 @@
+"""`build_tiny_vlm`: a tiny model of any family with a `tiny` record, written as a checkpoint directory.
+
+Each family's module (`qwen`, `gemma3`, `idefics3`) gives its tokenizer's special tokens and chat template
+(`TOKENIZER`), its default image size (`IMAGE_SIZES`) and `parts(name, tokenizer, vocab_size, image_size) -> (config,
+processor)`; this module builds the tokenizer, the seeded random weights and the files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from types import ModuleType
+
+import torch
+
+from ..families import model_types
+from . import gemma3, idefics3, qwen
+from .tokenizer import build_tokenizer
+
+__all__ = ["TINY_FAMILIES", "build_tiny_vlm"]
+
+# The module building each family's parts, for every family marked `tiny` in `vlm_grpo.families`.
+_BUILDERS: dict[str, ModuleType] = {name: module for module in (qwen, gemma3, idefics3) for name in module.IMAGE_SIZES}
+TINY_FAMILIES: tuple[str, ...] = model_types(lambda f: f.tiny)
+
+
+def _round_up(n: int, multiple: int = 8) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def _init_zero_projections(model: torch.nn.Module) -> None:
+    # Gemma3's `_init_weights` zeroes the image projection (the real checkpoint overwrites it), so a random
+    # tiny Gemma3 would ignore its images entirely and vision LoRA would get no gradient. Give such
+    # all-zero projection matrices a random init scaled like a Linear layer.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "projector" in name and param.dim() == 2 and not param.any():
+                param.normal_(0.0, param.shape[0] ** -0.5)
+
+
+def build_tiny_vlm(
+    family: str,
+    out_dir: str | os.PathLike | None = None,
+    *,
+    seed: int = 0,
+    words: Iterable[str] | None = None,
+    image_size: int | None = None,
+) -> str:
+    """Write a complete, offline tiny VLM checkpoint directory and return its path.
+
+    Args:
+        family: one of `TINY_FAMILIES` (`qwen2_vl`, `qwen2_5_vl`, `qwen3_vl`, `gemma3`, `idefics3`).
+        out_dir: where to write (created if needed; files already there are overwritten, others left alone). None:
+            `~/.cache/vlm_grpo/tiny-models/<family>-<hash of the settings>` (under `$XDG_CACHE_HOME` if set).
+        seed: seeds the random weights, so the same seed gives the same model.
+        words: extra vocabulary (e.g. `vlm_grpo.data.answer_words(task)`) so each answer is a single token.
+        image_size: the image side the model is built for. Qwen families accept any size (it sets the pixel
+            budget's unit); Gemma3 and Idefics3 resize every image to this square. Must be a multiple of 4
+            (of 28 for Qwen2/2.5-VL, of 32 for Qwen3-VL).
+
+    Returns:
+        The checkpoint directory: config, seeded weights (safetensors), generation config and processor
+        (image processor, tokenizer, chat template), loadable with `FastBaseVisionModel.from_pretrained`.
+    """
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"Unknown tiny VLM family {family!r}; choose one of {', '.join(TINY_FAMILIES)}.")
+    builder = _BUILDERS[family]
+    image_size = image_size or builder.IMAGE_SIZES[family]
+    if image_size <= 0 or image_size % 4:
+        raise ValueError(f"image_size must be a positive multiple of 4, got {image_size}.")
+    spec = builder.TOKENIZER
+    extra = [w for w in (words or []) if w and w.strip()]
+    if any(len(w.split()) != 1 for w in extra):
+        raise ValueError("`words` must be single words without spaces (each becomes one token).")
+    tok = build_tokenizer(spec, extra)
+
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+
+    config, processor = builder.parts(family, tok, _round_up(len(tok)), image_size)
+
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    _init_zero_projections(model)
+    eos_ids = [tok.convert_tokens_to_ids(t) for t in spec.eos]
+    model.generation_config = GenerationConfig(
+        eos_token_id=eos_ids, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, do_sample=True
+    )
+    from ..callbacks import library_bars_off
+    from ..files import follow_umask
+
+    out_dir = str(out_dir) if out_dir is not None else _cache_dir(family, seed, extra, image_size)
+    os.makedirs(out_dir, exist_ok=True)
+    with library_bars_off():  # a "Writing model shards" bar for a file written in no time
+        model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    for name in os.listdir(out_dir):  # safetensors writes weights 0600; the rest follows the umask already
+        if name.endswith(".safetensors"):
+            follow_umask(os.path.join(out_dir, name))
+    return out_dir
+
+
+def _cache_dir(family: str, seed: int, words: list[str], image_size: int) -> str:
+    """Where `build_tiny_vlm` writes when given no directory: one folder per model under the user's cache
+    (`$XDG_CACHE_HOME` or ~/.cache), `vlm_grpo/tiny-models/<family>-<hash of the settings>`, rewritten by each build."""
+    key = json.dumps([family, seed, words, image_size]).encode()
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "vlm_grpo", "tiny-models", f"{family}-{hashlib.sha256(key).hexdigest()[:12]}")

@@ -1,0 +1,103 @@
+"""Tiny Qwen2-VL, Qwen2.5-VL and Qwen3-VL: the real architectures at tiny sizes, Qwen's chat template and special
+tokens, the PIL image processor and `vlm_grpo.media.video_processor.QwenVideoProcessorPil`.
+
+Image geometry: patch 14 (Qwen3-VL: 16), merge 2, so a 56x56 (64x64) image is 2x2 merged patches = 4 image tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .sizes import HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, VISION_HEADS, VISION_HIDDEN, VISION_LAYERS
+from .tokenizer import TokenizerSpec
+
+__all__ = ["IMAGE_SIZES", "TOKENIZER", "parts"]
+
+_QWEN_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_QWEN_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+    "<|image_pad|>", "<|video_pad|>",
+]  # fmt: skip
+
+TOKENIZER = TokenizerSpec(_QWEN_TOKENS, None, ["<|im_end|>", "<|endoftext|>"], "<|endoftext|>", _QWEN_TEMPLATE)
+IMAGE_SIZES = {"qwen2_vl": 56, "qwen2_5_vl": 56, "qwen3_vl": 64}
+
+
+def parts(name: str, tok: Any, vocab_size: int, image_size: int) -> tuple[Any, Any]:
+    """`(config, processor)` of the tiny `name` model."""
+    return _qwen_config(name, tok, vocab_size), _qwen_processor(name, tok, image_size)
+
+
+def _qwen_config(name: str, tok, vocab_size: int):
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+
+    ids = {
+        "image_token_id": tok.convert_tokens_to_ids("<|image_pad|>"),
+        "video_token_id": tok.convert_tokens_to_ids("<|video_pad|>"),
+        "vision_start_token_id": tok.convert_tokens_to_ids("<|vision_start|>"),
+        "vision_end_token_id": tok.convert_tokens_to_ids("<|vision_end|>"),
+    }
+    head_dim = HIDDEN // HEADS
+    text = dict(
+        vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=4096,
+        head_dim=head_dim, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.pad_token_id, bos_token_id=None, tie_word_embeddings=False,
+    )  # fmt: skip
+    # mrope splits head_dim/2 rotary frequencies over (time, height, width); the sections must sum to head_dim/2.
+    half = head_dim // 2
+    mrope = [half - 2 * (half // 3), half // 3, half // 3]
+    vision = dict(depth=VISION_LAYERS, hidden_size=VISION_HIDDEN, num_heads=VISION_HEADS, out_hidden_size=HIDDEN)
+    if name == "qwen3_vl":
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": mrope,
+                                   "mrope_interleaved": True}  # fmt: skip
+        vision.update(intermediate_size=64, patch_size=16, num_position_embeddings=16, deepstack_visual_indexes=[0])
+        return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": mrope}
+    if name == "qwen2_5_vl":
+        vision.update(intermediate_size=64, patch_size=14, window_size=112, fullatt_block_indexes=[1])
+        return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    vision = dict(depth=VISION_LAYERS, embed_dim=VISION_HIDDEN, num_heads=VISION_HEADS, hidden_size=HIDDEN,
+                  mlp_ratio=2, patch_size=14)  # fmt: skip
+    return Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+
+
+def _qwen_processor(name: str, tok, image_size: int):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from ..families import FAMILIES
+    from ..media.video_processor import QwenVideoProcessorPil
+
+    patch = 16 if name == "qwen3_vl" else 14
+    # The image budget is part of the processor, as on the Hub; tiny models see at most a 4x4 grid of merged patches.
+    unit = patch * 2
+    common = dict(patch_size=patch, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    image_processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": unit * unit, "longest_edge": (4 * unit) ** 2}, **common
+    )
+    # Video: at most a 2x2 grid of merged patches per frame (4 tokens per temporal step); Qwen3-VL's budget covers the
+    # whole clip (frames x area), here 16 frames' worth.
+    frames = 16 if FAMILIES[name].video_budget == "clip" else 1
+    video_processor = QwenVideoProcessorPil(
+        FAMILIES[name].video_processor,
+        size={"shortest_edge": unit * unit * min(frames, 2), "longest_edge": frames * (2 * unit) ** 2}, **common,
+    )  # fmt: skip
+    from ..media.processor import (
+        build_qwen_processor,  # one place knows how to do without torchvision's video processor
+    )
+
+    return build_qwen_processor(name, image_processor, tok, video_processor=video_processor)
