@@ -1,8 +1,10 @@
 """Real-architecture VLMs with random weights, for GPU benchmarks and tests without Hub access.
 
-The configs are Qwen2.5-VL-3B/7B-Instruct's, written in code; the tokenizer is built locally with the
-real vocabulary size and the real special-token ids, so prompts have the real shape (a 448x448 image is
-256 image tokens) and generation costs what it costs with the real checkpoint.
+The configs are Qwen2.5-VL-3B/7B-Instruct's and Qwen3.5-4B/9B's, written in code; the tokenizer is built locally
+with the real vocabulary size and Qwen2.5's special-token ids, so prompts have the real shape (a 448x448 image is 256
+image tokens for Qwen2.5-VL, 196 for Qwen3.5's 16-px patches) and generation costs what it costs with the real
+checkpoint. Qwen3.5's text models are the published configs (hybrid: three gated delta-rule layers, then a gated
+full-attention one, 32 layers); their vision towers are Qwen3-VL-4B's / 8B's (depth 24 / 27).
 """
 
 from __future__ import annotations
@@ -22,6 +24,17 @@ TEXT = {
     "qwen2.5-vl-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                           num_key_value_heads=4, tie_word_embeddings=False),
 }  # fmt: skip
+# Qwen3.5: the published text configs; the vision towers of Qwen3-VL's models of the same size.
+QWEN3_5 = {
+    "qwen3.5-4b": (
+        dict(hidden_size=2560, intermediate_size=9216, tie_word_embeddings=True),
+        dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16),
+    ),
+    "qwen3.5-9b": (
+        dict(hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False),
+        dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16),
+    ),
+}
 VOCAB_SIZE = 151936
 # Qwen2.5's added tokens, at their real ids.
 SPECIAL = {
@@ -33,12 +46,35 @@ SPECIAL = {
 WORDS = "What colour is the shape ? Describe image in detail . Answer with one word red green blue yellow".split()
 
 
+def _qwen3_5_config(name: str):
+    from transformers import Qwen3_5Config
+
+    text, vision = QWEN3_5[name]
+    text = dict(
+        text, vocab_size=248320, num_hidden_layers=32, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=256, attn_output_gate=True, linear_conv_kernel_dim=4,
+        linear_key_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32, linear_value_head_dim=128,
+        max_position_embeddings=262144, rms_norm_eps=1e-6, hidden_act="silu",
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        bos_token_id=None, eos_token_id=151645, pad_token_id=151643,
+    )  # fmt: skip
+    vision = dict(vision, patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                  out_hidden_size=text["hidden_size"], in_channels=3, hidden_act="gelu_pytorch_tanh")  # fmt: skip
+    return Qwen3_5Config(
+        text_config=text, vision_config=vision, image_token_id=151655, video_token_id=151656,
+        vision_start_token_id=151652, vision_end_token_id=151653, tie_word_embeddings=text["tie_word_embeddings"],
+    )  # fmt: skip
+
+
 def config(name: str):
     """The transformers config of a named real architecture."""
     from transformers import Qwen2_5_VLConfig
 
+    if name in QWEN3_5:
+        return _qwen3_5_config(name)
     if name not in TEXT:
-        raise ValueError(f"Unknown architecture {name!r}; choose one of {', '.join(TEXT)}.")
+        raise ValueError(f"Unknown architecture {name!r}; choose one of {', '.join([*TEXT, *QWEN3_5])}.")
     text = dict(
         TEXT[name], vocab_size=VOCAB_SIZE, max_position_embeddings=128000, rms_norm_eps=1e-6, hidden_act="silu",
         rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
@@ -65,19 +101,22 @@ def tokenizer():
     return tok
 
 
-def processor():
-    """Qwen2.5-VL processor: the real image processor settings, the local tokenizer, Qwen's chat template."""
+def processor(name: str = "qwen2.5-vl-3b"):
+    """The architecture's processor: the real image processor settings (Qwen3.5: 16-px patches), the local tokenizer,
+    Qwen's chat template."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from vlm_grpo.media.processor import build_qwen_processor
     from vlm_grpo.tiny.qwen import _QWEN_TEMPLATE
 
+    patch = 16 if name in QWEN3_5 else 14
     image_processor = Qwen2VLImageProcessorPil(
-        patch_size=14, merge_size=2, temporal_patch_size=2,
-        size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280},
+        patch_size=patch, merge_size=2, temporal_patch_size=2,
+        size={"shortest_edge": 4 * patch * patch, "longest_edge": 4 * patch * patch * 1280},
         image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711],
     )  # fmt: skip
-    return build_qwen_processor("qwen2_5_vl", image_processor, tokenizer(), _QWEN_TEMPLATE)
+    family = "qwen3_5" if name in QWEN3_5 else "qwen2_5_vl"
+    return build_qwen_processor(family, image_processor, tokenizer(), _QWEN_TEMPLATE)
 
 
 def build_checkpoint(name: str, out_dir: str, seed: int = 0) -> str:
@@ -93,7 +132,7 @@ def build_checkpoint(name: str, out_dir: str, seed: int = 0) -> str:
     model.generation_config = GenerationConfig(eos_token_id=[151645, 151643], pad_token_id=151643, do_sample=True)
     tmp = out_dir + ".tmp"
     model.save_pretrained(tmp)
-    processor().save_pretrained(tmp)
+    processor(name).save_pretrained(tmp)
     os.replace(tmp, out_dir)
     del model
     if device == "cuda":

@@ -24,7 +24,8 @@ from vlm_grpo.tiny import TINY_FAMILIES
 from vlm_grpo.trainer import VISION_ROWS, VLMGRPOConfig, VLMGRPOTrainer
 
 COLORS = answer_words("color", 1)
-MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "token_type_ids", "mm_token_type_ids")
+MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "token_type_ids", "mm_token_type_ids",
+              "spatial_shapes")  # fmt: skip
 PATHS = [(True, True), (True, False), (False, True), (False, False)]  # (fast_generation, shared_prefix)
 
 
@@ -80,7 +81,7 @@ def _sampler_logps(trainer, batch):
 def _scored(trainer, model, batch):
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    inputs = {k: batch[k] for k in (*MULTIMODAL, "num_images") if k in batch}
+    inputs = {k: batch[k] for k in (*MULTIMODAL, "num_images", "num_tiles") if k in batch}
     trainer._vision_rows = batch.get(VISION_ROWS)
     try:
         with torch.no_grad():

@@ -70,7 +70,17 @@ def _named(model, attribute):
 
 
 def test_registry_covers_the_families_the_package_handles():
-    assert set(FAMILIES) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3"}
+    assert set(FAMILIES) == {
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "gemma3",
+        "idefics3",
+        "lfm2_vl",
+    }
     for model_type, family in FAMILIES.items():
         assert family.model_type == model_type
         assert family.box_frame is None or family.box_frame in FRAMES
@@ -87,7 +97,10 @@ def test_processor_classes_match_transformers_own_tables(model_type):
     assert pil.__name__ == family.pil_image_processor
     if model_type in IMAGE_PROCESSOR_MAPPING_NAMES:  # Qwen3-VL-MoE has no entry: its checkpoints name Qwen2-VL's
         names = IMAGE_PROCESSOR_MAPPING_NAMES[model_type]
-        assert family.pil_image_processor in (names.values() if isinstance(names, dict) else names)
+        names = names.values() if isinstance(names, dict) else names
+        # Our stand-in (transformers ships no PIL variant) saves under the class name transformers maps.
+        own = pil().to_dict()["image_processor_type"] if family.image_package.startswith("vlm_grpo.") else None
+        assert family.pil_image_processor in names or own in names
     # The pixel budget lives in size["shortest_edge"] / ["longest_edge"] exactly where the family says it does.
     size = {k for k, v in dict(pil().size).items() if v is not None}  # a dict or a SizeDict, by release
     assert ({"shortest_edge", "longest_edge"} <= size) == family.pixel_budget
@@ -156,7 +169,7 @@ def test_dict_mask_is_taken_exactly_where_the_record_says(tiny_dir, model_type):
         plain = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
         try:
             from_dict = model(input_ids=ids, attention_mask=masks, position_ids=torch.arange(length)[None]).logits
-        except (AttributeError, TypeError):  # the mask builder reads `.ndim` / `.shape` of a tensor
+        except (AttributeError, TypeError, KeyError):  # a tensor's `.ndim` / `.shape` read, or a layer type missing
             from_dict = None
     takes_dict = from_dict is not None and torch.allclose(from_dict, plain, atol=1e-5)
     assert takes_dict == FAMILIES[model_type].dict_mask
@@ -217,7 +230,9 @@ def test_tables_derived_from_the_registry_agree_with_it():
     assert tiny.TINY_FAMILIES == model_types(lambda f: f.tiny) == tuple(tiny.build._BUILDERS)
     help_text = next(f.metadata["help"] for f in dataclasses.fields(cli.ScriptArguments) if f.name == "model")
     assert f"(families: {', '.join(tiny.TINY_FAMILIES)})" in help_text
-    assert model_types(lambda f: f.rope == "mrope") == ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+    assert model_types(lambda f: f.rope == "mrope") == (
+        "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"
+    )  # fmt: skip
 
 
 def test_qwen3_vl_moe_is_known_everywhere_through_its_record(tiny_dir, tmp_path):
@@ -235,11 +250,16 @@ def test_qwen3_vl_moe_is_known_everywhere_through_its_record(tiny_dir, tmp_path)
 
 
 def test_the_engine_serves_the_families_the_registry_says(tiny_dir):
+    from vlm_grpo.engine.prefix_cache import RECURRENT_LAYER_TYPES
+    from vlm_grpo.engine.prefix_cache import serves as prefix_cache_serves
     from vlm_grpo.engine.shared_prefix import SUPPORTED_MODEL_TYPES
 
     assert SUPPORTED_MODEL_TYPES == model_types(lambda f: f.shared_prefix)
     for model_type in ALL:
         model, _ = _real(tiny_dir, model_type)
-        # A text model with sliding-window layers needs their own mask, so its family must take a mask dict.
+        # A text model with sliding-window layers needs their own mask, so its family must take a mask dict; one with
+        # recurrent layers is continued from its prompt's cache instead of packed (`engine.prefix_cache`).
         layer_types = set(getattr(model.config.get_text_config(), "layer_types", None) or ["full_attention"])
-        assert layer_types == {"full_attention"} or FAMILIES[model_type].dict_mask
+        recurrent = bool(layer_types & RECURRENT_LAYER_TYPES)
+        assert layer_types == {"full_attention"} or FAMILIES[model_type].dict_mask or recurrent
+        assert prefix_cache_serves(model) == recurrent

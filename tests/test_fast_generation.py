@@ -20,7 +20,7 @@ from vlm_grpo.model import FastVisionModel
 from vlm_grpo.rows import prepare_row
 from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "idefics3"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "idefics3", "qwen3_5", "qwen3_5_moe", "lfm2_vl"]
 
 
 def _image(seed: int, size: int = 32) -> Image.Image:
@@ -195,7 +195,7 @@ def test_compiled_decode_matches_and_one_graph_serves_several_prompt_lengths(tin
 
 # ----- clips (Qwen-VL): the same tokens as the plain path, clips' temporal positions included -----
 
-VIDEO_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+VIDEO_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"]
 
 
 def _clip(seed: int, frames: int, size: tuple[int, int] = (56, 56)) -> list[Image.Image]:

@@ -15,6 +15,7 @@ from vlm_grpo.tiny import TINY_FAMILIES
 LANG_ATTN = {f"model.language_model.layers.N.self_attn.{p}_proj" for p in "qkvo"}
 LANG_MLP = {f"model.language_model.layers.N.mlp.{p}_proj" for p in ("gate", "up", "down")}
 SIGLIP_ATTN = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj"}
+QWEN3_5_LINEAR = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")  # the gated delta rule's
 # The layers each flag must select, per family: (vision attention, vision MLP, language attention, language MLP).
 # fmt: off
 EXPECTED = {
@@ -52,6 +53,30 @@ EXPECTED = {
          "model.connector.modality_projection.proj"},
         {n.replace("language_model", "text_model") for n in LANG_ATTN},
         {n.replace("language_model", "text_model") for n in LANG_MLP},
+    ),
+    "qwen3_5": (
+        {"model.visual.blocks.N.attn.qkv", "model.visual.blocks.N.attn.proj"},
+        {"model.visual.blocks.N.mlp.linear_fc1", "model.visual.blocks.N.mlp.linear_fc2",
+         "model.visual.merger.linear_fc1", "model.visual.merger.linear_fc2"},
+        LANG_ATTN | {f"model.language_model.layers.N.linear_attn.{p}" for p in QWEN3_5_LINEAR},
+        LANG_MLP,
+    ),
+    "qwen3_5_moe": (
+        {"model.visual.blocks.N.attn.qkv", "model.visual.blocks.N.attn.proj"},
+        {"model.visual.blocks.N.mlp.linear_fc1", "model.visual.blocks.N.mlp.linear_fc2",
+         "model.visual.merger.linear_fc1", "model.visual.merger.linear_fc2"},
+        LANG_ATTN | {f"model.language_model.layers.N.linear_attn.{p}" for p in QWEN3_5_LINEAR},
+        # The shared expert's Linear layers; the routed experts' fused weights get LoRA as parameters (`expert_parameters`).
+        {f"model.language_model.layers.N.mlp.shared_expert.{p}_proj" for p in ("gate", "up", "down")}
+        | {"model.language_model.layers.N.mlp.shared_expert_gate"},
+    ),
+    "lfm2_vl": (
+        {f"model.vision_tower.encoder.layers.N.{p}" for p in SIGLIP_ATTN},
+        {"model.vision_tower.encoder.layers.N.mlp.fc1", "model.vision_tower.encoder.layers.N.mlp.fc2",
+         "model.multi_modal_projector.linear_1", "model.multi_modal_projector.linear_2"},
+        {f"model.language_model.layers.N.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "out_proj")}
+        | {"model.language_model.layers.N.conv.in_proj", "model.language_model.layers.N.conv.out_proj"},
+        {f"model.language_model.layers.N.feed_forward.w{i}" for i in (1, 2, 3)},
     ),
 }
 # fmt: on

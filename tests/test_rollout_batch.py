@@ -21,7 +21,7 @@ from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
 COLORS = answer_words("color", 1)
 MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "token_type_ids",
-              "mm_token_type_ids", "image_sizes")  # fmt: skip
+              "mm_token_type_ids", "image_sizes", "spatial_shapes", "num_tiles")  # fmt: skip
 
 
 def _varied_reward(prompts, completions, **kwargs):

@@ -21,7 +21,7 @@ from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
 COLORS = answer_words("color", 1)
 MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "token_type_ids",
-              "mm_token_type_ids")  # fmt: skip
+              "mm_token_type_ids", "spatial_shapes", "num_tiles")  # fmt: skip
 
 
 def _zero_reward(prompts, completions, **kwargs):
@@ -215,7 +215,7 @@ def test_unsupported_models_and_settings_are_named(tiny_dir):
 
 # ----- clips (Qwen-VL): the rows' vision inputs travel with the batch; the plain path is TRL's per-row forward -----
 
-VIDEO_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+VIDEO_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"]
 
 
 def _clip(color, frames=4, size=(56, 56)):

@@ -32,3 +32,18 @@ def test_importing_the_trainer_prints_nothing():
     proc = subprocess.run([sys.executable, "-c", "import vlm_grpo.trainer"], check=False, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
     assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == "", proc.stderr
+
+
+def test_gpu_kernel_advice_is_dropped_without_a_gpu_and_kept_with_one(caplog, monkeypatch):
+    import torch
+
+    message = "`chunk_gated_delta_rule` is falling back to its reference PyTorch implementation because x"
+    logger = logging.getLogger("transformers.integrations.hub_kernels")
+    for gpu, expected in ((False, 0), (True, 1)):  # this machine's answer replaced by each of the two
+        monkeypatch.setattr(torch.cuda, "is_available", lambda gpu=gpu: gpu)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="transformers.integrations.hub_kernels"):
+            logger.warning(message)
+            logger.warning("another transformers kernel warning")
+        assert [r.getMessage() for r in caplog.records].count(message) == expected
+        assert "another transformers kernel warning" in caplog.text

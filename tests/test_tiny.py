@@ -16,6 +16,9 @@ EXPECTED_TYPES = {
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "gemma3": "Gemma3ForConditionalGeneration",
     "idefics3": "Idefics3ForConditionalGeneration",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "lfm2_vl": "Lfm2VlForConditionalGeneration",
 }
 
 

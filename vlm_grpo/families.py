@@ -57,7 +57,8 @@ class Family:
     #: The processor's class name in transformers.
     processor_class: str
     #: The ``transformers.models.<name>`` package that defines the family's image processors (Qwen2.5-VL and
-    #: Qwen3-VL reuse Qwen2-VL's), and the name of the PIL one there, which works without torchvision.
+    #: Qwen3-VL reuse Qwen2-VL's), and the name of the PIL one there, which works without torchvision; a ``vlm_grpo.``
+    #: module path names our stand-in where transformers has no PIL variant.
     image_package: str
     pil_image_processor: str
     #: Whether the processor resizes every image by a pixel budget of its own, kept in
@@ -105,8 +106,12 @@ class Family:
     def pil_image_processor_class(self) -> type:
         """The family's PIL image processor class, imported from its module (the top-level transformers name is a
         torchvision-guarded placeholder in some releases)."""
+        package = self.image_package
+        # A package path of ours names a stand-in module (transformers ships the family's processor for torchvision only).
         module = importlib.import_module(
-            f"transformers.models.{self.image_package}.image_processing_pil_{self.image_package}"
+            package
+            if package.startswith("vlm_grpo.")
+            else f"transformers.models.{package}.image_processing_pil_{package}"
         )
         return getattr(module, self.pil_image_processor)
 
@@ -144,6 +149,12 @@ _QWEN3_VL = dataclasses.replace(
 # The mixture-of-experts text model under the same vision side. Not served by shared-prefix scoring yet: it has no
 # tiny model to check it against.
 _QWEN3_VL_MOE = dataclasses.replace(_QWEN3_VL, model_type="qwen3_vl_moe", shared_prefix=False, tiny=False)
+
+# Qwen3.5: Qwen3-VL's processor, positions and video, over a hybrid text model whose linear-attention layers (gated
+# delta rule: a convolution and a recurrent state) cannot be packed behind a shared prompt with a 4-D mask; shared-prefix
+# scoring continues each group's prompt cache instead (`vlm_grpo.engine.prefix_cache`). The MoE variant routes experts.
+_QWEN3_5 = dataclasses.replace(_QWEN3_VL, model_type="qwen3_5")
+_QWEN3_5_MOE = dataclasses.replace(_QWEN3_VL, model_type="qwen3_5_moe")
 
 _GEMMA3 = Family(
     model_type="gemma3",
@@ -188,9 +199,46 @@ _IDEFICS3 = Family(
     tiny=True,
 )
 
+# LFM2-VL: LFM2's hybrid text model (short convolutions beside attention: continued from a prompt cache, not packed)
+# and a SigLIP2 NaFlex tower fed patch rows with a mask. transformers' image processor needs torchvision; ours is its
+# one-tile PIL variant.
+_LFM2_VL = Family(
+    model_type="lfm2_vl",
+    rope="1d",
+    processor_class="Lfm2VlProcessor",
+    image_package="vlm_grpo.media.lfm2_image_processor",
+    pil_image_processor="Lfm2VlImageProcessorPil",
+    pixel_budget=False,  # a token budget of its own (min / max image tokens), not an area in size[...]
+    video_processor=None,
+    video_budget=None,
+    vision_tower="vision_tower",
+    projector="multi_modal_projector",
+    image_inputs=("pixel_values", "pixel_attention_mask", "spatial_shapes"),
+    token_type_key=None,
+    image_token_attrs=("image_token_id",),
+    dict_mask=False,
+    bidirectional_image_attention=False,
+    box_frame=None,
+    shared_prefix=True,
+    tiny=True,
+)
+
 #: Every known family by ``config.model_type``, in a stable order (the tiny families' order is the tests').
 FAMILIES: MappingProxyType[str, Family] = MappingProxyType(
-    {f.model_type: f for f in (_QWEN2_VL, _QWEN2_5_VL, _QWEN3_VL, _QWEN3_VL_MOE, _GEMMA3, _IDEFICS3)}
+    {
+        f.model_type: f
+        for f in (
+            _QWEN2_VL,
+            _QWEN2_5_VL,
+            _QWEN3_VL,
+            _QWEN3_VL_MOE,
+            _QWEN3_5,
+            _QWEN3_5_MOE,
+            _GEMMA3,
+            _IDEFICS3,
+            _LFM2_VL,
+        )
+    }
 )
 
 

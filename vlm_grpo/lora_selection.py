@@ -10,14 +10,15 @@ from typing import Any
 
 from .families import projector_names, vision_tower_names
 
-__all__ = ["LoraSelection", "select_lora_modules"]
+__all__ = ["LoraSelection", "expert_parameters", "select_lora_modules"]
 
 # Where a module's name says it belongs, matched as substrings of its name's parts: the vision towers and projectors
 # of the family records (`vlm_grpo.families`) plus Unsloth's tags, which also catch other VLMs' (`vision_*`,
 # `*_projector`).
 _VISION_TAGS = (*vision_tower_names(), "vision", "patch_embed")
 _PROJECTOR_TAGS = (*projector_names(), "projector")
-_ATTENTION_TAGS = ("attn", "attention")
+# Token mixers: attention, linear attention (`linear_attn`) and LFM2's short convolutions (`conv`, Linear in and out).
+_ATTENTION_TAGS = ("attn", "attention", "conv")
 _MLP_TAGS = ("mlp", "feed_forward", "ffn")
 # Modules never given LoRA by the flags: the output head (tied or huge) and the embeddings.
 _NEVER = ("lm_head", "embed_tokens", "embed", "wte")
@@ -30,7 +31,9 @@ class LoraSelection:
 
     Vision layers are the vision tower's blocks and the projector that maps image features into the
     language model (Qwen's `merger`, Idefics3's `connector`); language layers are the decoder's
-    blocks. Attention means q/k/v/o (and fused qkv); MLP the feed-forward and projector layers. The
+    blocks. Attention means the token mixers: q/k/v/o (and fused qkv), linear attention's projections (Qwen3.5) and
+    short convolutions' (LFM2); MLP the feed-forward and projector layers (routed experts held in fused 3-D weights:
+    `expert_parameters`). The
     output head and embeddings are never selected (use `modules_to_save` for those).
     """
 
@@ -74,6 +77,20 @@ class LoraSelection:
                 continue
             selected.append(name)
         return selected
+
+
+def expert_parameters(model: Any, selection: LoraSelection) -> list[str]:
+    """Names of the language model's fused expert weights the selection covers: mixture-of-experts layers that keep
+    every routed expert in one 3-D parameter (Qwen3.5-MoE's `experts.gate_up_proj` / `experts.down_proj`), which
+    no Linear layer wraps. They get LoRA through PEFT's `target_parameters` (one adapter per expert)."""
+    if not (selection.finetune_language_layers and selection.finetune_mlp_modules):
+        return []
+    names = []
+    for name, param in model.named_parameters():
+        parts = name.lower().split(".")
+        if param.dim() == 3 and "experts" in parts and not any(tag in p for p in parts for tag in _VISION_TAGS):
+            names.append(name)
+    return names
 
 
 def select_lora_modules(model: Any, **flags: bool) -> list[str]:

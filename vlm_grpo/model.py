@@ -22,7 +22,7 @@ from . import modes
 from .compat import quiet_third_party_checkpointing_deprecations
 from .families import projector_names
 from .hooks import VISION_TOWER_NAMES
-from .lora_selection import LoraSelection, select_lora_modules
+from .lora_selection import LoraSelection, expert_parameters, select_lora_modules
 from .media.pixel_budget import check_pixel_budget, set_processor_pixel_budget
 from .media.processor import load_processor
 from .validation import is_int
@@ -244,6 +244,9 @@ class FastBaseVisionModel:
                 raise ValueError(f"The finetune_* flags select no Linear layer in {type(model).__name__}.")
             # An anchored regex of exact names: PEFT's suffix matching could otherwise catch a same-named layer elsewhere.
             target: list[str] | str = "^(" + "|".join(re.escape(n) for n in names) + ")$"
+            experts = expert_parameters(model, selection)
+            if experts and "target_parameters" not in kwargs:  # routed experts held in fused 3-D weights
+                kwargs["target_parameters"] = experts
         else:
             target = _check_target_modules(model, target_modules)
 

@@ -1,7 +1,8 @@
 """Which path scores a trainer's batch (old-policy, reference and policy log-probs): shared prefix, or TRL's per row.
 
-Shared-prefix scoring (`vlm_grpo.engine.shared_prefix`) computes each group's prompt and images once; what it cannot
-serve falls back to TRL's per-row forward, the reason logged once (`trainer.shared_prefix_fallbacks` counts them). A
+Shared-prefix scoring computes each group's prompt and images once: packed behind one copy of the prompt
+(`vlm_grpo.engine.shared_prefix`), or, for models with recurrent layers, continued from the prompt's cache
+(`vlm_grpo.engine.prefix_cache`). What neither can serve falls back to TRL's per-row forward, the reason logged once (`trainer.shared_prefix_fallbacks` counts them). A
 batch with clips carries each row's vision inputs beside TRL's (`media.processing.VISION_ROWS`): both paths take them
 from there, TRL's by calling the model with the clips added (TRL's own forward passes only image inputs). Every path
 scores through TRL's fused LM head; the caller keeps the sampler's blocked ids out of its softmax
@@ -16,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .engine.prefix_cache import prefix_cache_logps
+from .engine.prefix_cache import serves as prefix_cache_serves
 from .engine.shared_prefix import SharedPrefixUnsupported, shared_prefix_logps
 from .media.batch_layout import VIDEO_KEYS
 from .media.processing import row_vision_inputs
@@ -54,8 +57,10 @@ def logps_by_path(
         model_inputs = {**model_inputs, **vision}
     if getattr(trainer.args, "shared_prefix", False):
         try:
+            # Recurrent layers cannot be packed behind a shared prompt: theirs is continued from a cache.
+            shared = prefix_cache_logps if prefix_cache_serves(model) else shared_prefix_logps
             with trainer.accelerator.autocast():
-                logps, entropies = shared_prefix_logps(
+                logps, entropies = shared(
                     model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                     compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
                     unwrapped_model=trainer.accelerator.unwrap_model(model), **model_inputs,

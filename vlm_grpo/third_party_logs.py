@@ -5,6 +5,11 @@ AVX512-BF16, for an optional faster 4-bit kernel in the `kernels` package and wa
 not installed: "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'". Its own CPU
 kernel serves instead, so nothing is wrong; yet it was the first line of every command. Only that case is dropped:
 the same warning for any other cause (`kernels` installed but failing) still shows.
+
+transformers says once per kernel that Qwen3.5's and LFM2's linear-attention and convolution layers fall back to
+their reference PyTorch code because `flash-linear-attention` / `causal-conv1d` is not installed. Those kernels are
+GPU kernels: on a machine without a GPU there is nothing to install, and the four lines only alarm. They are dropped
+there and kept wherever a GPU is present, where installing them is the advice to follow.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import logging
 __all__ = ["install"]
 
 _BITSANDBYTES_CPU = "bitsandbytes.backends.cpu.ops"
+_HUB_KERNELS = "transformers.integrations.hub_kernels"
 
 
 def _optional_kernel_missing(record: logging.LogRecord) -> bool:
@@ -24,9 +30,19 @@ def _optional_kernel_missing(record: logging.LogRecord) -> bool:
     return not (isinstance(cause, ModuleNotFoundError) and cause.name == "kernels")
 
 
+def _gpu_kernel_advice_without_a_gpu(record: logging.LogRecord) -> bool:
+    """True (keep the record) unless it advises installing a GPU kernel package on a machine without a GPU."""
+    if "is falling back to its reference PyTorch implementation" not in str(record.msg):
+        return True
+    import torch  # imported by then: the message comes from a model's forward
+
+    return torch.cuda.is_available()
+
+
 def install() -> None:
     """Attach the filters (idempotent). Must run before the third-party module is imported: the warning is logged at
     its import, so `vlm_grpo/__init__.py` calls this."""
-    logger = logging.getLogger(_BITSANDBYTES_CPU)
-    if _optional_kernel_missing not in logger.filters:
-        logger.addFilter(_optional_kernel_missing)
+    for name, keep in ((_BITSANDBYTES_CPU, _optional_kernel_missing), (_HUB_KERNELS, _gpu_kernel_advice_without_a_gpu)):
+        logger = logging.getLogger(name)
+        if keep not in logger.filters:
+            logger.addFilter(keep)

@@ -3,7 +3,8 @@
 A recorded CUDA graph (`engine.decode_graph`) replays only on the addresses it was recorded on, so a fresh cache per
 generation would record the graph again every step: caches are kept per shape (at most two, the training and the
 evaluation batch's) and reset between generations, and the graphs recorded on a dropped cache are forgotten with it.
-The prompt is prefilled once per group into a dynamic cache and copied into every row of its group (`copy_prefill`).
+The prompt is prefilled once per group into a dynamic cache and copied into every row of its group, layer by layer
+according to its kind (`engine.cache_kinds.copy_prefill`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import nn
 from .decode_graph import DecodeGraphs
 from .token_loop import DecodeBuffers
 
-__all__ = ["DecodeCaches", "copy_prefill"]
+__all__ = ["DecodeCaches"]
 
 
 class DecodeCaches:
@@ -54,9 +55,3 @@ class DecodeCaches:
             buffers = DecodeBuffers.allocate(batch, cache_len, position_shape, device)
             self.decode_buffers[(batch, cache_len)] = buffers
         return buffers
-
-
-def copy_prefill(prefill: Any, cache: Any, index: torch.Tensor) -> None:
-    """Write the prefill cache's keys and values into `cache`, row `index[i]` of the prefill into row `i`."""
-    for layer_index, layer in enumerate(prefill.layers):
-        cache.update(layer.keys.index_select(0, index), layer.values.index_select(0, index), layer_index)

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .cache_kinds import state_tensors
+
 __all__ = ["DecodeGraphs", "RecordingFailed"]
 
 logger = logging.getLogger(__name__)
@@ -156,8 +158,6 @@ def _model_signature(model: nn.Module) -> tuple[int, ...]:
 
 
 def _cache_signature(cache: Any) -> tuple[int, ...]:
-    """The storage addresses of a cache's key and value tensors (allocated on first use)."""
-    tensors = []
-    for layer in getattr(cache, "layers", []):
-        tensors += [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None]
-    return tuple(t.data_ptr() for t in tensors)
+    """The storage addresses of a cache's tensors (keys and values, convolution and recurrent states; allocated on
+    first use)."""
+    return tuple(t.data_ptr() for t in state_tensors(cache))

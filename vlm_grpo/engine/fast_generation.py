@@ -47,8 +47,9 @@ from ..private_api import (
     logits_processors,
     prepare_generation,
 )
+from .cache_kinds import UnservableCache, copy_prefill
 from .decode_attention import decode_attention
-from .decode_cache import DecodeCaches, copy_prefill
+from .decode_cache import DecodeCaches
 from .decode_graph import DecodeGraphs, RecordingFailed
 from .fused_projections import FusedQKV
 from .lora_merge import MERGE_BACKUPS, BaseWeightBackup, merged_lora
@@ -244,7 +245,7 @@ class FastGenerator:
                 with fused.swapped() if fused is not None else contextlib.nullcontext():
                     rows, logprobs = self._generate(base, device, prompt_ids, unique, inverse, unique_fields,
                                                     generation_config, pad_token_id)  # fmt: skip
-        except QuantizedGenerationUnsupported as error:  # raised before anything was swapped or generated
+        except (QuantizedGenerationUnsupported, UnservableCache) as error:  # nothing generated; weights restored
             raise FastPathUnavailable(str(error)) from error
         self.stats["calls"] += 1
         self.stats["rows"] += len(prompt_ids)

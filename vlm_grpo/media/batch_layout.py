@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 # Processor outputs with one entry per image (Qwen's image_grid_thw, Gemma 3's pixel_values, LLaVA's image_sizes).
-_PER_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_sizes")
+_PER_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "spatial_shapes")
 # Processor outputs for clips (Qwen-VL): patches, one grid per clip, and Qwen2.5-VL's seconds per temporal step.
 VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
@@ -127,7 +127,7 @@ class ImageLayout:
             if pixel_values.size(0) != rows:
                 raise LayoutUnknown(f"5-D pixel_values of {pixel_values.size(0)} entries for {rows} rows")
             return cls([(r, r + 1) for r in range(rows)], image_ranges, counts)
-        if pixel_values.size(0) == image_starts[-1]:  # Gemma 3 / LLaVA: one entry per image
+        if pixel_values.size(0) == image_starts[-1]:  # Gemma 3 / LLaVA / LFM2-VL's one tile: one entry per image
             return cls(image_ranges, image_ranges, counts)
         raise LayoutUnknown(f"pixel_values of shape {tuple(pixel_values.shape)} is not a known layout")
 
@@ -158,7 +158,8 @@ class ImageLayout:
         clips) gets none of their tensors: the models take an absent tensor, not an empty one, for "none"."""
         out = {}
         named = [("pixel_values", self.pixel_ranges), ("pixel_attention_mask", self.pixel_ranges),
-                 ("image_grid_thw", self.image_ranges), ("image_sizes", self.image_ranges)]  # fmt: skip
+                 ("spatial_shapes", self.pixel_ranges), ("image_grid_thw", self.image_ranges),
+                 ("image_sizes", self.image_ranges)]  # fmt: skip
         if self.video_ranges is not None:
             named += [("pixel_values_videos", self.video_pixel_ranges), ("video_grid_thw", self.video_ranges),
                       ("second_per_grid_ts", self.video_ranges)]  # fmt: skip

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..families import find_family, model_types
-from .batch_layout import VIDEO_KEYS, distinct_prompts, select_rows
+from .batch_layout import VIDEO_KEYS, LayoutUnknown, distinct_prompts, select_rows
 from .clips import Clip
 
 __all__ = [
@@ -143,7 +143,10 @@ def tokenize_distinct(tokenize: Any, prompts: Sequence[Any]) -> tuple[list[list[
     unique, inverse = distinct
     prompt_ids, images, fields = tokenize([prompts[row] for row in unique])
     images_per_row = [len(row or []) for row in images] if images is not None else [0] * len(unique)
-    fields = select_rows(fields, images_per_row, inverse)
+    try:
+        fields = select_rows(fields, images_per_row, inverse)
+    except LayoutUnknown:  # a layout this module cannot repeat per row: every row processed, as TRL does
+        return tokenize(prompts)
     images = [images[i] for i in inverse] if images is not None else None
     return [prompt_ids[i] for i in inverse], images, fields
 

@@ -193,8 +193,11 @@ def _load_with_pil_image_processor(path: str, model_type: str, **kwargs: Any):
     family = find_family(model_type)
     package = family.image_package if family is not None else model_type
     try:  # from its module: the top-level name is a torchvision-guarded placeholder in some releases
-        module = importlib.import_module(f"transformers.models.{package}.image_processing_pil_{package}")
-        pil_class = getattr(module, pil_name, None)
+        if family is not None and family.pil_image_processor == pil_name:
+            pil_class = family.pil_image_processor_class()  # our stand-in where transformers has none
+        else:
+            module = importlib.import_module(f"transformers.models.{package}.image_processing_pil_{package}")
+            pil_class = getattr(module, pil_name, None)
     except ImportError:
         pil_class = None
     processor_class = getattr(transformers, config.get("processor_class", ""), None)

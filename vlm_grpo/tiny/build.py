@@ -16,13 +16,15 @@ from types import ModuleType
 import torch
 
 from ..families import model_types
-from . import gemma3, idefics3, qwen
+from . import gemma3, idefics3, lfm2_vl, qwen
 from .tokenizer import build_tokenizer
 
 __all__ = ["TINY_FAMILIES", "build_tiny_vlm"]
 
 # The module building each family's parts, for every family marked `tiny` in `vlm_grpo.families`.
-_BUILDERS: dict[str, ModuleType] = {name: module for module in (qwen, gemma3, idefics3) for name in module.IMAGE_SIZES}
+_BUILDERS: dict[str, ModuleType] = {
+    name: module for module in (qwen, gemma3, idefics3, lfm2_vl) for name in module.IMAGE_SIZES
+}
 TINY_FAMILIES: tuple[str, ...] = model_types(lambda f: f.tiny)
 
 

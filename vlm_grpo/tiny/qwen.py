@@ -1,7 +1,7 @@
-"""Tiny Qwen2-VL, Qwen2.5-VL and Qwen3-VL: the real architectures at tiny sizes, Qwen's chat template and special
+"""Tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 (dense and MoE): the real architectures at tiny sizes, Qwen's chat template and special
 tokens, the PIL image processor and `vlm_grpo.media.video_processor.QwenVideoProcessorPil`.
 
-Image geometry: patch 14 (Qwen3-VL: 16), merge 2, so a 56x56 (64x64) image is 2x2 merged patches = 4 image tokens.
+Image geometry: patch 14 (Qwen3-VL, Qwen3.5: 16), merge 2, so a 56x56 (64x64) image is 2x2 merged patches = 4 image tokens.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ _QWEN_TOKENS = [
 ]  # fmt: skip
 
 TOKENIZER = TokenizerSpec(_QWEN_TOKENS, None, ["<|im_end|>", "<|endoftext|>"], "<|endoftext|>", _QWEN_TEMPLATE)
-IMAGE_SIZES = {"qwen2_vl": 56, "qwen2_5_vl": 56, "qwen3_vl": 64}
+IMAGE_SIZES = {"qwen2_vl": 56, "qwen2_5_vl": 56, "qwen3_vl": 64, "qwen3_5": 64, "qwen3_5_moe": 64}
+# Qwen3.5's text model: a gated delta-rule (linear attention) layer, then a full-attention one (the real models
+# repeat three linear layers and one full one).
+_QWEN3_5_LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 
 
 def parts(name: str, tok: Any, vocab_size: int, image_size: int) -> tuple[Any, Any]:
@@ -62,6 +65,8 @@ def _qwen_config(name: str, tok, vocab_size: int):
     half = head_dim // 2
     mrope = [half - 2 * (half // 3), half // 3, half // 3]
     vision = dict(depth=VISION_LAYERS, hidden_size=VISION_HIDDEN, num_heads=VISION_HEADS, out_hidden_size=HIDDEN)
+    if name in ("qwen3_5", "qwen3_5_moe"):
+        return _qwen3_5_config(name, text, vision, ids)
     if name == "qwen3_vl":
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": mrope,
                                    "mrope_interleaved": True}  # fmt: skip
@@ -76,13 +81,35 @@ def _qwen_config(name: str, tok, vocab_size: int):
     return Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
 
 
+def _qwen3_5_config(name: str, text: dict, vision: dict, ids: dict) -> Any:
+    """Qwen3.5 (dense, or with routed experts): linear-attention layers (conv and recurrent state) beside full ones;
+    the rotary part of each head split over (time, height, width), interleaved; a vision tower without deepstack."""
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
+
+    head_dim = 32  # a quarter of it rotary: 8 dims, 4 frequencies split 2 + 1 + 1
+    text.update(
+        head_dim=head_dim, num_hidden_layers=len(_QWEN3_5_LAYERS), layer_types=list(_QWEN3_5_LAYERS),
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    )  # fmt: skip
+    vision.update(intermediate_size=64, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                  num_position_embeddings=16)  # fmt: skip
+    if name == "qwen3_5_moe":
+        text.pop("intermediate_size")
+        text.update(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+        return Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+
+
 def _qwen_processor(name: str, tok, image_size: int):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from ..families import FAMILIES
     from ..media.video_processor import QwenVideoProcessorPil
 
-    patch = 16 if name == "qwen3_vl" else 14
+    patch = 16 if name in ("qwen3_vl", "qwen3_5", "qwen3_5_moe") else 14
     # The image budget is part of the processor, as on the Hub; tiny models see at most a 4x4 grid of merged patches.
     unit = patch * 2
     common = dict(patch_size=patch, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
