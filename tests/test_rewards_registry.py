@@ -1,6 +1,7 @@
 """vlm_grpo.rewards.registry: rewards by name or import path, and the gold columns each reads."""
 
 import doctest
+import sys
 
 import pytest
 
@@ -47,3 +48,29 @@ def test_gold_columns_are_declared_or_named_in_the_signature():
 
 def test_the_module_example_runs():
     assert doctest.testmod(registry).failed == 0
+
+
+def test_an_import_path_finds_a_module_in_the_current_directory_as_a_script_would(tmp_path, monkeypatch):
+    # `--reward_funcs my_rewards:shape_choice` from the folder holding my_rewards.py, no PYTHONPATH (issue 40).
+    monkeypatch.setattr(sys, "path", list(sys.path))  # resolve_reward puts the working directory on it
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cwd_rewards_ok.py").write_text("def shape_choice(prompts, completions, **kw):\n    return [1.0]\n")
+    func = resolve_reward("cwd_rewards_ok:shape_choice")
+    assert func.__name__ == "shape_choice" and func(None, ["x"]) == [1.0]
+    assert str(tmp_path) in sys.path
+
+
+def test_an_import_failing_inside_your_module_is_named_not_hidden(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cwd_rewards_broken.py").write_text('"""Mine."""\nimport no_such_dependency_xyz\n')
+    with pytest.raises(ValueError) as error:
+        resolve_reward("cwd_rewards_broken:score")
+    assert str(error.value) == (
+        "reward 'cwd_rewards_broken:score': importing cwd_rewards_broken failed: ModuleNotFoundError: No module named "
+        f"'no_such_dependency_xyz' ({tmp_path / 'cwd_rewards_broken.py'} line 2)."
+    )
+    with pytest.raises(ValueError, match=f"no module 'cwd_rewards_absent' in the current directory {tmp_path} nor"):
+        resolve_reward("cwd_rewards_absent:score")
+    with pytest.raises(ValueError, match="module 'vlm_grpo.rewards' has no attribute 'no_such_reward'"):
+        resolve_reward("vlm_grpo.rewards:no_such_reward")

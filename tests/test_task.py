@@ -10,6 +10,7 @@ from vlm_grpo.data.load import DatasetError
 from vlm_grpo.rewards import (
     accuracy_reward,
     answer_accuracy,
+    answer_choice,
     counting,
     iou,
     think_answer_format,
@@ -122,3 +123,34 @@ def test_dataset_task_without_answers_names_the_fix(tmp_path):
         dataset_task(path, test_size=0, reward_funcs=[counting])
     assert dataset_task(path, test_size=0, answer_column="label").accuracy is answer_accuracy
     assert dataset_task(path, test_size=0, reward_funcs=[think_answer_format]).answer_columns == {}
+
+
+def test_a_closed_vocabulary_of_answers_is_scored_by_answer_choice_with_its_chance(tmp_path):
+    # A few words, repeated: the first of them a completion names is its answer (issue 40: answer_accuracy paid
+    # nothing for `circle system! [`); chance is one in the number of values.
+    shapes = ["circle", "square", "triangle"]
+    path = _jsonl(tmp_path, [{"question": "What shape?", "answer": shapes[i % 3]} for i in range(12)])
+    task = dataset_task(path, test_size=3)
+    [reward] = task.reward_funcs
+    assert reward.__name__ == "answer_choice" and task.accuracy is reward
+    assert task.answer_values == shapes and task.chance == pytest.approx(1 / 3)
+    assert reward(None, ["circle system! [", "square circle"], answer=["circle", "circle"]) == [1.0, 0.0]
+    # Named, it is built from the answers here, once for training and accuracy.
+    named = dataset_task(path, test_size=0, reward_funcs=[think_answer_format, answer_choice], accuracy=answer_choice)
+    assert named.reward_funcs[1] is named.accuracy and named.accuracy(None, ["triangle"], answer=["triangle"]) == [1.0]
+    with pytest.raises(DatasetError, match="answer_choice is made from the answer column, which the rows lack"):
+        dataset_task(_jsonl(tmp_path, [{"question": "q", "label": "a"}] * 4), test_size=0, reward_funcs=[answer_choice])
+
+
+def test_numbers_and_open_answers_keep_answer_accuracy(tmp_path):
+    counts = dataset_task(_jsonl(tmp_path, [{"question": "How many?", "answer": str(i % 3)} for i in range(9)]))
+    assert counts.reward_funcs == [answer_accuracy] and counts.chance == pytest.approx(1 / 3)  # compared by value
+    words = dataset_task(_jsonl(tmp_path, [{"question": "Who?", "answer": f"person {i}"} for i in range(8)]))
+    assert words.reward_funcs == [answer_accuracy] and words.chance is None  # one answer per question
+
+
+def test_a_synthetic_task_knows_its_chance():
+    assert synthetic_task("color", difficulty=1, train_size=32, test_size=8).chance == pytest.approx(1 / 4)
+    assert synthetic_task("locate", train_size=8, test_size=2).chance is None  # boxes
+    built = synthetic_task("color", difficulty=1, train_size=8, test_size=2, reward_funcs=[answer_choice])
+    assert built.accuracy.__name__ == "answer_choice" and built.accuracy is built.reward_funcs[0]

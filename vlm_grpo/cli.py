@@ -5,9 +5,10 @@
     vlm-grpo --dataset data/train.jsonl --reward_funcs think_answer_format answer_accuracy   # your own data
     vlm-grpo --config recipe.yaml              # any flag below, or of VLMGRPOConfig, from YAML
 
-It prints held-out accuracy before and after training and writes to `--output_dir`: `metrics.jsonl` (one line
-per logging step, with a few sample completions), `reward_curve.png`, `eval.json` and `final/` (the trained
-checkpoint with its processor, written atomically), and for a `tiny:` model `tiny-base/`, the model it started from.
+It prints held-out accuracy before and after training (beside its chance level, for a closed vocabulary of answers)
+and writes to `--output_dir`: `metrics.jsonl` (one line per logging step, with a few sample completions),
+`reward_curve.png`, `eval.json` and `final/` (the trained checkpoint with its processor, written atomically), and for
+a `tiny:` model `tiny-base/`, the model it started from.
 With `--save_strategy steps`, a killed run continues with `--resume_from_checkpoint` (its newest complete
 checkpoint), `metrics.jsonl` keeping every step once; a new run into a directory holding checkpoints is refused unless
 `--overwrite_output_dir`.
@@ -38,8 +39,9 @@ __all__ = ["ScriptArguments", "UsageError", "build_task", "main", "parse_args", 
 
 
 def build_task(script: ScriptArguments, config: Any) -> Task:
-    """The `vlm_grpo.task.Task` the flags describe: `--dataset` with `--reward_funcs` (default `answer_accuracy`),
-    else the synthetic `--task` with its own reward. Bad data or rewards raise `UsageError`."""
+    """The `vlm_grpo.task.Task` the flags describe: `--dataset` with `--reward_funcs` (default `answer_choice` for a
+    closed vocabulary of answers, else `answer_accuracy`), else the synthetic `--task` with its own reward. Bad data or
+    rewards raise `UsageError`."""
     from .task import dataset_task, synthetic_task
 
     rewards = {"reward_funcs": resolve_rewards(script.reward_funcs) or None,
@@ -83,6 +85,36 @@ def _note_if_unlearnable(task: Task) -> None:
     note = offline_learning_note(task.answer_words or [], answers)
     if note:
         print(f"{PROG}: note: {note}", file=sys.stderr, flush=True)
+
+
+# Fewer held-out rows than this measure accuracy coarsely: near 0.5 its noise is 0.5 / sqrt(rows), 0.20 on 6 rows and
+# 0.09 on 30, so below 30 a change of a few tenths can be luck.
+MIN_HELD_OUT = 30
+
+
+def _say_what_is_measured(script: ScriptArguments, task: Task) -> None:
+    """One line each, before any time is spent: the reward picked for a closed vocabulary of answers when no
+    `--reward_funcs` was given, and a held-out set too small to measure accuracy."""
+    from .reward_checks import reward_name
+
+    values = task.answer_values or []
+    if script.dataset is not None and not script.reward_funcs and reward_name(task.reward_funcs[0]) == "answer_choice":
+        shown = ", ".join(values[:6]) + (", ..." if len(values) > 6 else "")
+        print(f"reward: answer_choice, the first of the answer column's {len(values)} values ({shown}) a completion "
+              "names (few distinct answers; --reward_funcs answer_accuracy for the exact answer)", flush=True)  # fmt: skip
+    rows = len(task.test) if task.test is not None else 0
+    if 0 < rows < MIN_HELD_OUT:
+        flag = "a larger --eval_split" if script.eval_split else f"--test_size {MIN_HELD_OUT}"
+        print(f"{PROG}: warning: only {rows} held-out rows: accuracy moves in steps of {1 / rows:.3f} and by about "
+              f"{0.5 / math.sqrt(rows):.2f} from luck alone; hold out {MIN_HELD_OUT} or more with {flag}.",
+              file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _chance(task: Task) -> str:
+    """`  chance 0.333: 1 of 3 answers at random` after the accuracy before training, for a closed vocabulary."""
+    if task.chance is None:
+        return ""
+    return f"  chance {task.chance:.3f}: 1 of {len(task.answer_values or [])} answers at random"
 
 
 def _load(script: ScriptArguments, config: Any, words: list[str] | None) -> tuple[Any, Any]:
@@ -193,6 +225,7 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     task = build_task(script, config)
     if script.dataset is not None and script.model.startswith(TINY_PREFIX):
         _note_if_unlearnable(task)
+    _say_what_is_measured(script, task)
     if not torch.cuda.is_available():
         torch.set_num_threads(script.torch_threads)
     os.makedirs(config.output_dir, exist_ok=True)
@@ -209,8 +242,8 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     before: dict[str, float] = {}
     if task.test is not None:
         before = evaluate(model, processor, task.test, task.eval_funcs, **score)
-        print(f"held-out accuracy before training: {before['accuracy']:.3f}  ({task.name}, {len(task.test)} prompts)",
-              flush=True)  # fmt: skip
+        print(f"held-out accuracy before training: {before['accuracy']:.3f}  ({task.name}, {len(task.test)} prompts)"
+              f"{_chance(task)}", flush=True)  # fmt: skip
 
     metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
     with library_bars_off():  # TRL loads the KL reference model again: a second "Loading weights" bar
@@ -225,7 +258,8 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     if task.test is not None:
         with full_weights(trainer.model_wrapped):  # a sharded model gathered once, not per layer per token
             after = evaluate(trainer.model, processor, task.test, task.eval_funcs, **score)
-        print(f"held-out accuracy after training:  {after['accuracy']:.3f}", flush=True)
+        chance = "" if task.chance is None else f"  chance {task.chance:.3f}"
+        print(f"held-out accuracy after training:  {after['accuracy']:.3f}{chance}", flush=True)
         results = {f"before/{k}": v for k, v in before.items()} | {f"after/{k}": v for k, v in after.items()}
     if not trainer.accelerator.is_main_process:
         return results

@@ -28,7 +28,17 @@ from .data.tasks import check_task
 from .demo import DEMO
 from .prompts import apply_template, with_system
 from .reward_checks import reward_name
-from .rewards import BatchReward, RewardFunc, answer_accuracy, iou, make_choice_reward, reward_columns
+from .rewards import (
+    BatchReward,
+    FromAnswers,
+    RewardFunc,
+    answer_accuracy,
+    closed_vocabulary,
+    iou,
+    make_answer_choice_reward,
+    make_choice_reward,
+    reward_columns,
+)
 
 __all__ = ["SYNTHETIC_REWARDS", "Task", "data_words", "dataset_task", "default_accuracy", "synthetic_task"]
 
@@ -47,6 +57,8 @@ class Task:
         reward_weights: one weight per training reward, or None (all 1.0), as `VLMGRPOConfig.reward_weights`.
         answer_words: the words a tiny model's tokenizer needs (`build_tiny_vlm(words=...)`): a synthetic task's
             answers, or every word of your data's prompts and answers (so an offline smoke run can learn on it).
+        answer_values: the answer column's distinct values when they are a closed vocabulary
+            (`vlm_grpo.rewards.closed_vocabulary`: a few short answers, repeated), else None; they set `chance`.
     """
 
     name: str
@@ -56,6 +68,7 @@ class Task:
     accuracy: RewardFunc
     reward_weights: list[float] | None = None
     answer_words: list[str] | None = None
+    answer_values: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.reward_funcs = list(self.reward_funcs)
@@ -65,6 +78,12 @@ class Task:
             raise ValueError(
                 f"{len(self.reward_weights)} reward weight(s) for {len(self.reward_funcs)} reward function(s)."
             )
+
+    @property
+    def chance(self) -> float | None:
+        """The held-out accuracy of guessing one of `answer_values` at random: 1 / their number; None for a task
+        without a closed vocabulary of answers."""
+        return 1 / len(self.answer_values) if self.answer_values else None
 
     @property
     def eval_funcs(self) -> list[RewardFunc]:
@@ -178,10 +197,13 @@ def synthetic_task(
     test = make_visual_reasoning_dataset(name, test_size, split="test", **make) if test_size else None
     if system_prompt or prompt_template:
         train, test = (_edit_prompts(d, system_prompt, prompt_template) for d in (train, test))
+    answers = _answers(train, test)
+    funcs, accuracy = _built(funcs, accuracy, answers)
     if accuracy is None:
         accuracy = default_accuracy(funcs) if reward_funcs else own
     words = answer_words(name, difficulty, image_size=image_size)
-    task = Task(f"synthetic task '{name}'", train, test, funcs, accuracy, answer_words=words)
+    values = closed_vocabulary(answers)
+    task = Task(f"synthetic task '{name}'", train, test, funcs, accuracy, answer_words=words, answer_values=values)
     task.check_columns()
     return task
 
@@ -220,8 +242,10 @@ def dataset_task(
 
     Args:
         source, split: what to load and the split to train on.
-        reward_funcs: training rewards (`vlm_grpo.rewards.resolve_reward` turns names into them); default
-            `answer_accuracy`, which needs an `answer` column.
+        reward_funcs: training rewards (`vlm_grpo.rewards.resolve_reward` turns names into them; `answer_choice` is
+            built from the answer column here). Default: `answer_choice` when the answers are a closed vocabulary of
+            words (`closed_vocabulary(answers, numbers=False)`: 2 to 20 short answers, repeated), else
+            `answer_accuracy`; both need an `answer` column.
         accuracy: the reward reported as accuracy; default `default_accuracy(reward_funcs)`.
         reward_weights: one weight per training reward.
         test_size: held-out rows when no `eval_split` is given: a fraction (< 1) or a count; 0: none.
@@ -237,18 +261,46 @@ def dataset_task(
 
     train, test = load_grpo_dataset(source, split, test_size=test_size, seed=seed, **load_kwargs)
     check_dataset(train, "dataset", check_images=False)  # rows the trainer would refuse, before a model loads
+    answers = _answers(train, test)
     if not reward_funcs:
         if "answer" not in train.column_names:
             raise DatasetError(f"no answer column (columns: {', '.join(train.column_names)}): name it with "
                                "--answer_column, or give --reward_funcs.")  # fmt: skip
-        reward_funcs = [answer_accuracy]
-    funcs = list(reward_funcs)
+        words = closed_vocabulary(answers, numbers=False)
+        reward_funcs = [make_answer_choice_reward(words)] if words else [answer_accuracy]
+    funcs, accuracy = _built(list(reward_funcs), accuracy, answers)
     weights = list(reward_weights) if reward_weights is not None else None
     name = os.path.basename(source.rstrip("/")) or source
     accuracy = default_accuracy(funcs) if accuracy is None else accuracy
-    task = Task(name, train, test, funcs, accuracy, reward_weights=weights, answer_words=data_words(train, test))
+    task = Task(name, train, test, funcs, accuracy, reward_weights=weights, answer_words=data_words(train, test),
+                answer_values=closed_vocabulary(answers))  # fmt: skip
     task.check_columns()
     return task
+
+
+def _answers(*splits: Any) -> list[Any]:
+    """The `answer` column of the splits given (rows of a split without one: none)."""
+    return [a for rows in splits if rows is not None and "answer" in rows.column_names for a in rows["answer"]]
+
+
+def _built(
+    funcs: list[RewardFunc], accuracy: RewardFunc | None, answers: list[Any]
+) -> tuple[list[RewardFunc], RewardFunc | None]:
+    """Rewards named before the data was loaded (`FromAnswers`, e.g. `answer_choice`) built from its answers, one
+    object where the same one is named twice (training reward and accuracy)."""
+    built: dict[int, RewardFunc] = {}
+
+    def build(func: RewardFunc) -> RewardFunc:
+        if not isinstance(func, FromAnswers):
+            return func
+        if not answers:
+            raise DatasetError(f"{func.__name__} is made from the answer column, which the rows lack; name yours "
+                               "with --answer_column.")  # fmt: skip
+        if id(func) not in built:
+            built[id(func)] = func.build(answers)
+        return built[id(func)]
+
+    return [build(f) for f in funcs], None if accuracy is None else build(accuracy)
 
 
 def data_words(*datasets: Any) -> list[str]:

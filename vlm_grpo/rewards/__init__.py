@@ -24,29 +24,33 @@ from trl.rewards import (
 
 from .adaptor import BatchReward, Completion, RewardFunc, Scorer, batch_reward, completion_text
 from .anls import anls, anls_score
+from .answer_choice import answer_choice, closed_vocabulary, make_answer_choice_reward
 from .choice import LETTERS, extract_choice, make_choice_reward, multiple_choice
 from .counting import counting, extract_count
 from .format import think_answer_format, think_format_reward
 from .grounding import FRAMES, box_iou, coordinate_frame_for, iou, iou_threshold, make_iou_reward, parse_box
 from .math import answer_accuracy, answers_match, parse_number
 from .parsing import answer_span, extract_answer, final_segment
-from .registry import resolve_reward, reward_columns, reward_names
+from .registry import FromAnswers, resolve_reward, reward_columns, reward_names
 
 __all__ = [
     "FRAMES",
     "LETTERS",
     "BatchReward",
     "Completion",
+    "FromAnswers",
     "RewardFunc",
     "Scorer",
     "accuracy_reward",
     "anls",
     "anls_score",
     "answer_accuracy",
+    "answer_choice",
     "answer_span",
     "answers_match",
     "batch_reward",
     "box_iou",
+    "closed_vocabulary",
     "completion_text",
     "coordinate_frame_for",
     "counting",
@@ -59,6 +63,7 @@ __all__ = [
     "get_soft_overlong_punishment",
     "iou",
     "iou_threshold",
+    "make_answer_choice_reward",
     "make_choice_reward",
     "make_iou_reward",
     "multiple_choice",

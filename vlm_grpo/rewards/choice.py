@@ -1,7 +1,8 @@
 """Choice rewards: one option letter (``multiple_choice``) or one word from a closed vocabulary (``make_choice_reward``).
 
 Both pay only for an answer that names exactly one candidate, the right one: ``A and C``, ``A or B`` and
-``red or blue`` name two and score 0, so listing options can never be rewarded.
+``red or blue`` name two and score 0, so listing options can never be rewarded. ``ChoiceScorer(first=True)`` reads
+the first candidate named instead, for ``answer_choice`` (:mod:`.answer_choice`).
 """
 
 from __future__ import annotations
@@ -87,24 +88,55 @@ def _normalize_word(s: str) -> str:
     return " ".join(strip_latex_text(s).strip().strip("$*_\"'`").rstrip(".").lower().split())
 
 
-class ChoiceScorer:
-    """Scores closed-vocabulary answers (a class, so the reward pickles for TRL's async rollout worker)."""
+def _phrase(s: str) -> str:
+    """A candidate or answer as the words it is read as: ``"Traffic light."`` -> ``"traffic light"``."""
+    return " ".join(w for w in map(_normalize_word, _WORD_RE.findall(_normalize_word(s))) if w)
 
-    def __init__(self, choices: Sequence[str]) -> None:
-        self.choices = {_normalize_word(str(c)) for c in choices}
+
+class ChoiceScorer:
+    """Scores closed-vocabulary answers (a class, so the reward pickles for TRL's async rollout worker).
+
+    A candidate may be a phrase of several words (``"traffic light"``); at each position of the answer the longest
+    candidate is read. ``first``: the first candidate named decides (else the answer must name exactly one).
+    """
+
+    def __init__(self, choices: Sequence[str], first: bool = False) -> None:
+        self.choices = {_phrase(str(c)) for c in choices}
         if not self.choices or "" in self.choices:
             raise ValueError("choices must be a non-empty list of non-empty answers, e.g. ['red', 'green', 'blue'].")
+        self.first = first
+        self._longest = max(len(c.split()) for c in self.choices)
+
+    def mentions(self, text: str) -> list[str]:
+        """The candidates the answer names, in order (a phrase counted once where it stands, not as its words)."""
+        words = [w for w in map(_normalize_word, _WORD_RE.findall(strip_latex_text(answer_span(text)))) if w]
+        found, i = [], 0
+        while i < len(words):
+            for n in range(min(self._longest, len(words) - i), 0, -1):
+                if (phrase := " ".join(words[i : i + n])) in self.choices:
+                    found.append(phrase)
+                    i += n
+                    break
+            else:
+                i += 1
+        return found
 
     def named(self, text: str) -> str:
-        """The candidates the answer names, space-separated (what TRL's completions table shows)."""
-        span = answer_span(text)
-        return " ".join(sorted({w for w in map(_normalize_word, _WORD_RE.findall(span)) if w in self.choices}))
+        """The answer this scorer reads (what TRL's completions table shows): the first candidate named (``first``),
+        else every candidate named, space-separated; "" when none."""
+        found = self.mentions(text)
+        if self.first:
+            return found[0] if found else ""
+        return " ".join(sorted(set(found)))
 
     def __call__(self, text: str, gold: Any, /, **row: Any) -> float:
-        gold_word = _normalize_word(str(gold))
+        gold_word = _phrase(str(gold))
         if gold_word not in self.choices:
             raise ValueError(f"gold answer {gold!r} is not one of the choices {sorted(self.choices)}.")
-        return 1.0 if self.named(text) == gold_word else 0.0
+        found = self.mentions(text)
+        if self.first:
+            return 1.0 if found[:1] == [gold_word] else 0.0
+        return 1.0 if set(found) == {gold_word} else 0.0
 
 
 def make_choice_reward(choices: Sequence[str], name: str = "choice_accuracy") -> RewardFunc:
@@ -112,7 +144,9 @@ def make_choice_reward(choices: Sequence[str], name: str = "choice_accuracy") ->
 
     Reads column ``answer``. Words are compared case-insensitively in the answer tag, else the sentence after
     "Answer:", else the text after ``</think>``; a sentence around the word is fine ("it is red"), naming two
-    candidates ("red or blue") scores 0.0. A gold answer that is not among the choices raises ``ValueError``.
+    candidates ("red or blue") scores 0.0; a candidate may be a phrase ("traffic light"). A gold answer that is not
+    among the choices raises ``ValueError``. To count the first candidate named instead, see
+    :func:`~vlm_grpo.rewards.answer_choice.make_answer_choice_reward`.
     """
     scorer = ChoiceScorer(choices)
     return BatchReward(scorer, "answer", name=name, prediction=scorer.named)
