@@ -664,6 +664,8 @@ def test_dynamic_sampling_from_the_command_line(tmp_path, capsys, monkeypatch):
     assert err.startswith("vlm-grpo: error: dynamic_sampling: all ") and "rewards seen: 1)" in err
 
 
+@pytest.mark.slow
+@pytest.mark.trains
 def test_your_own_colour_data_learns_offline_with_the_default_tiny_model(tmp_path):
     # Three colours, one word each, written by the test as a user would; two lines point at images that are
     # missing or not images, and are skipped. Default settings (the demo's): 400 steps, ~70 s of CPU.

@@ -49,10 +49,14 @@ examples:
 MAIN_OPTIONS: dict[str, tuple[tuple[str, str, str], ...]] = {
     "what to train": (
         ("model", "ID|DIR", "a VLM: Hub id or directory, or tiny:<family> built offline"),
-        ("task", "NAME", "synthetic task: color, count, spatial, arithmetic, locate, position"),
+        (
+            "task",
+            "NAME",
+            "color, count, spatial, arithmetic, locate, position, color_change",
+        ),
         ("dataset", "SOURCE", "your data: Hub id, JSONL / CSV / Parquet file, image folder, save_to_disk dir"),
         ("prompt_column", "NAME", "your question column (also --image_column, --answer_column)"),
-        ("reward_funcs", "NAME ...", "vlm_grpo.rewards names or pkg.mod:fn (default: the task's own; answer_accuracy)"),
+        ("reward_funcs", "NAME ...", "vlm_grpo.rewards names or pkg.mod:fn (default: the task's own; answer_choice)"),
         ("eval_split", "SPLIT", "held-out split for accuracy before/after (default: --test_size rows of --dataset)"),
         ("prompt_template", "TEXT", '"{prompt} ..." around each question (also --system_prompt)'),
         ("use_peft", "", "LoRA adapters (--lora_r, --finetune_vision_layers ...) instead of all weights"),
@@ -153,13 +157,16 @@ class ScriptArguments:
     reward_funcs: list[str] | None = field(
         default=None,
         metadata={"help": "Reward functions: names from vlm_grpo.rewards (e.g. think_answer_format answer_accuracy) or "
-                  "import paths pkg.mod:fn. Default: the synthetic task's reward, answer_accuracy for --dataset."},
+                  "import paths pkg.mod:fn (found from the current folder, as a script's imports are). Default: the "
+                  "synthetic task's reward; for --dataset, answer_choice when the answers are a few words repeated "
+                  "(a closed vocabulary), else answer_accuracy."},
     )  # fmt: skip
     accuracy_reward: str | None = field(
         default=None,
         metadata={"help": "The reward reported as held-out accuracy (a name or import path; trained on only if in "
                   "--reward_funcs). Default: the first of --reward_funcs that reads a gold answer column (a format "
-                  "reward reads none); without --reward_funcs, the synthetic task's own reward or answer_accuracy."},
+                  "reward reads none); without --reward_funcs, the synthetic task's own reward, or the dataset's "
+                  "default (answer_choice / answer_accuracy)."},
     )  # fmt: skip
     use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of all weights."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
