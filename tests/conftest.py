@@ -29,6 +29,12 @@ def _trl_trains_here() -> bool:
 TRL_TRAINS_HERE = _trl_trains_here()
 
 
+def pytest_configure(config):
+    # Third-party, beside pyproject's list: numpy 2.4 deprecating torch's `Tensor.__array__` (no `copy` keyword),
+    # reached by transformers' PaliGemma and GLM-4V processors calling `np.array` on the tensors they return.
+    config.addinivalue_line("filterwarnings", "ignore:__array__ implementation doesn't accept a copy keyword")
+
+
 def pytest_collection_modifyitems(config, items):
     if TRL_TRAINS_HERE:
         return
