@@ -166,13 +166,18 @@ def _tokenize(tokenize: Any, prompts: list[Any], family: Any) -> tuple[list[list
     forward takes dropped."""
     if family is None or family.batched_prompts or len(prompts) < 2:
         prompt_ids, images, fields = tokenize(prompts)
-        return prompt_ids, images, drop_outputs(fields, family)
+        return _id_lists(prompt_ids), images, drop_outputs(fields, family)
     results = [tokenize([prompt]) for prompt in prompts]
-    prompt_ids = [ids for result in results for ids in result[0]]
+    prompt_ids = _id_lists([ids for result in results for ids in result[0]])
     per_row = [result[1][0] if result[1] is not None else None for result in results]
     images = per_row if any(row is not None for row in per_row) else None
     fields = merge_fields([drop_outputs(result[2], family) for result in results])
     return prompt_ids, images, fields
+
+
+def _id_lists(prompt_ids: Any) -> list[list[int]]:
+    """Token ids as lists (Pixtral's processor returns a tensor even unasked)."""
+    return [ids.tolist() if isinstance(ids, torch.Tensor) else ids for ids in prompt_ids]
 
 
 def merge_fields(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
