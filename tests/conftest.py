@@ -96,7 +96,7 @@ def lora_b_grads(model, inputs) -> dict:
     """Every LoRA B matrix's gradient (None where none arrived) after a GRPO-style backward on `inputs`: no labels,
     the loss built on the logits."""
     model.zero_grad(set_to_none=True)
-    out = model(**inputs)
+    out = model(**{k: v for k, v in inputs.items() if k != "labels"})  # PaliGemma's processor returns some
     assert out.loss is None
     out.logits.float().logsumexp(-1).mean().backward()
     return {n: p.grad for n, p in model.named_parameters() if "lora_B" in n}

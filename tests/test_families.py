@@ -38,6 +38,14 @@ from vlm_grpo.model import FastVisionModel
 from vlm_grpo.rewards.grounding import FRAMES, coordinate_frame_for
 
 ALL = list(FAMILIES)
+# Image tokens of one 56x56 image where the tiny model has other than 4: LLaVA-OneVision's base view, tile and newlines.
+IMAGE_TOKENS = {"llava_onevision": 10}
+# Processors that resize by a pixel budget of their own that `vlm_grpo.media.pixel_budget` does not serve: GLM's
+# `smart_resize` budgets frames x area (another signature than Qwen's); images are fitted before them instead.
+BUDGET_NOT_SERVED = {"glm4v", "glm46v"}
+# Sliding-window text models that build every layer's mask from one 4-D mask (PaliGemma 2): shared-prefix scoring
+# serves them while the rows fit the window, and refuses longer ones (tests/test_shared_prefix.py).
+ONE_MASK_WINDOW = {"paligemma"}
 
 
 def _qwen3_vl_moe(tiny_dir):
@@ -70,7 +78,8 @@ def _named(model, attribute):
 
 
 def test_registry_covers_the_families_the_package_handles():
-    assert set(FAMILIES) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3"}
+    assert set(FAMILIES) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3", "llava_onevision",
+                             "paligemma", "glm4v", "glm46v", "internvl", "smolvlm", "mistral3"}  # fmt: skip
     for model_type, family in FAMILIES.items():
         assert family.model_type == model_type
         assert family.box_frame is None or family.box_frame in FRAMES
@@ -90,7 +99,7 @@ def test_processor_classes_match_transformers_own_tables(model_type):
         assert family.pil_image_processor in (names.values() if isinstance(names, dict) else names)
     # The pixel budget lives in size["shortest_edge"] / ["longest_edge"] exactly where the family says it does.
     size = {k for k, v in dict(pil().size).items() if v is not None}  # a dict or a SizeDict, by release
-    assert ({"shortest_edge", "longest_edge"} <= size) == family.pixel_budget
+    assert ({"shortest_edge", "longest_edge"} <= size) == (family.pixel_budget or model_type in BUDGET_NOT_SERVED)
     assert resizes_by_pixel_budget(pil()) == family.pixel_budget
     # A processor takes videos when its constructor takes a video processor.
     parameters = inspect.signature(getattr(transformers, family.processor_class).__init__).parameters
@@ -108,13 +117,13 @@ def test_record_matches_the_real_model_and_processor(tiny_dir, model_type):
     assert resizes_by_pixel_budget(processor) == family.pixel_budget
 
     inputs = image_batch(processor, n=1)
-    assert set(inputs) == {"input_ids", "attention_mask", *family.image_inputs} | (
+    assert set(inputs) == {"input_ids", "attention_mask", *family.image_inputs, *family.forward_drops} | (
         {family.token_type_key} if family.token_type_key else set()
-    )
+    ) | ({"token_type_ids"} if family.prefix_lm else set())
     # The config's placeholder ids are where the image features go: 4 per image in these models, and exactly the
     # tokens the processor's token types mark as image.
     is_image = torch.isin(inputs["input_ids"], torch.tensor(sorted(family.image_token_ids(model.config))))
-    assert is_image.sum() == 4
+    assert is_image.sum() == IMAGE_TOKENS.get(model_type, 4)
     if family.token_type_key:
         assert torch.equal(inputs[family.token_type_key] == 1, is_image)
 
@@ -217,7 +226,9 @@ def test_tables_derived_from_the_registry_agree_with_it():
     assert tiny.TINY_FAMILIES == model_types(lambda f: f.tiny) == tuple(tiny.build._BUILDERS)
     help_text = next(f.metadata["help"] for f in dataclasses.fields(cli.ScriptArguments) if f.name == "model")
     assert f"(families: {', '.join(tiny.TINY_FAMILIES)})" in help_text
-    assert model_types(lambda f: f.rope == "mrope") == ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+    assert model_types(lambda f: f.rope == "mrope") == (
+        "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm46v"
+    )  # fmt: skip
 
 
 def test_qwen3_vl_moe_is_known_everywhere_through_its_record(tiny_dir, tmp_path):
@@ -242,4 +253,4 @@ def test_the_engine_serves_the_families_the_registry_says(tiny_dir):
         model, _ = _real(tiny_dir, model_type)
         # A text model with sliding-window layers needs their own mask, so its family must take a mask dict.
         layer_types = set(getattr(model.config.get_text_config(), "layer_types", None) or ["full_attention"])
-        assert layer_types == {"full_attention"} or FAMILIES[model_type].dict_mask
+        assert layer_types == {"full_attention"} or FAMILIES[model_type].dict_mask or model_type in ONE_MASK_WINDOW

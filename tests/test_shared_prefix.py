@@ -337,3 +337,17 @@ def test_clips_logps_loss_and_every_gradient_match_the_plain_path(tiny_dir, tmp_
         assert grad.norm() > 0, name
         assert (shared_grads[name] - grad).norm() <= 1e-3 * grad.norm() + floor, name
     assert any(".visual." in n for n in plain_grads)  # the vision tower learns from the clips
+
+
+@pytest.mark.trains
+def test_one_mask_sliding_window_model_falls_back_beyond_its_window(tiny_dir, tmp_path, caplog):
+    # PaliGemma 2 builds its sliding-window layers' masks from the one 4-D mask it is given: exact while no row is
+    # longer than the window; beyond it TRL's per-row path serves, logged once.
+    trainer = _trainer(tiny_dir, tmp_path, "paligemma")
+    inputs = _batch(trainer, "paligemma")
+    trainer.model.config.text_config.sliding_window = 6
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        expected, _ = _logps(trainer, inputs, plain=True)
+        got, _ = _logps(trainer, inputs, plain=False)
+    assert torch.equal(got, expected)
+    assert list(trainer.shared_prefix_fallbacks) and "sliding window (6)" in caplog.text

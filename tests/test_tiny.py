@@ -16,7 +16,16 @@ EXPECTED_TYPES = {
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "gemma3": "Gemma3ForConditionalGeneration",
     "idefics3": "Idefics3ForConditionalGeneration",
+    "llava_onevision": "LlavaOnevisionForConditionalGeneration",
+    "paligemma": "PaliGemmaForConditionalGeneration",
+    "glm4v": "Glm4vForConditionalGeneration",
+    "glm46v": "Glm46VForConditionalGeneration",
+    "internvl": "InternVLForConditionalGeneration",
+    "smolvlm": "SmolVLMForConditionalGeneration",
+    "mistral3": "Mistral3ForConditionalGeneration",
 }
+# Image tokens of one 56x56 image: 4 in every tiny family but LLaVA-OneVision (a base view, a tile, their newlines).
+IMAGE_TOKENS = {"llava_onevision": 10}
 
 
 # The five families and any family tiny.py adds: each must build, and as its expected architecture.
@@ -46,9 +55,10 @@ def test_load_and_generate_from_image_prompt(tiny_dir, family):
     ]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     inputs = processor(text=text, images=[[Image.new("RGB", (56, 56), (255, 0, 0))]], return_tensors="pt")
+    inputs.pop("labels", None)  # PaliGemma's processor returns them (all -100): not a generation input
     image_token_id = model.config.image_token_id if hasattr(model.config, "image_token_id") else None
     image_token_id = image_token_id or model.config.image_token_index
-    assert (inputs["input_ids"] == image_token_id).sum() == 4  # every tiny family: 4 image tokens per image
+    assert (inputs["input_ids"] == image_token_id).sum() == IMAGE_TOKENS.get(family, 4)
     out = model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=True)
     assert out.shape[1] == inputs["input_ids"].shape[1] + 4
 

@@ -230,7 +230,7 @@ _LLAVA_ONEVISION = Family(
     image_inputs=("pixel_values", "image_sizes", "batch_num_images"),
     token_type_key=None,
     image_token_attrs=("image_token_id", "video_token_id"),
-    dict_mask=False,
+    dict_mask=True,
     bidirectional_image_attention=False,
     box_frame=None,
     shared_prefix=True,
@@ -247,7 +247,7 @@ _INTERNVL = dataclasses.replace(
 _MISTRAL3 = dataclasses.replace(
     _INTERNVL, model_type="mistral3", processor_class="PixtralProcessor", image_package="pixtral",
     pil_image_processor="PixtralImageProcessorPil", video_processor=None, image_inputs=("pixel_values", "image_sizes"),
-    batched_prompts=False,
+    dict_mask=False, batched_prompts=False,
 )  # fmt: skip
 # PaliGemma (2): SigLIP + Gemma (2), prefix-LM attention over the whole prompt (its token_type_ids mark prompt 0 and
 # completion 1, not images); no chat template on the Hub.

@@ -18,7 +18,7 @@ import torch
 from ..families import find_family, model_types
 from .batch_layout import PER_IMAGE_KEYS, VIDEO_KEYS, LayoutUnknown, distinct_prompts, select_rows
 from .clips import Clip
-from .forward_inputs import drop_outputs
+from .forward_inputs import drop_outputs, prompt_fields
 
 __all__ = [
     "ROW_VISION_KEYS",
@@ -166,13 +166,13 @@ def _tokenize(tokenize: Any, prompts: list[Any], family: Any) -> tuple[list[list
     forward takes dropped."""
     if family is None or family.batched_prompts or len(prompts) < 2:
         prompt_ids, images, fields = tokenize(prompts)
-        return _id_lists(prompt_ids), images, drop_outputs(fields, family)
+        return _id_lists(prompt_ids), images, prompt_fields(fields, family, images)
     results = [tokenize([prompt]) for prompt in prompts]
     prompt_ids = _id_lists([ids for result in results for ids in result[0]])
     per_row = [result[1][0] if result[1] is not None else None for result in results]
     images = per_row if any(row is not None for row in per_row) else None
     fields = merge_fields([drop_outputs(result[2], family) for result in results])
-    return prompt_ids, images, fields
+    return prompt_ids, images, prompt_fields(fields, family, images)
 
 
 def _id_lists(prompt_ids: Any) -> list[list[int]]:
