@@ -351,3 +351,19 @@ def test_one_mask_sliding_window_model_falls_back_beyond_its_window(tiny_dir, tm
         got, _ = _logps(trainer, inputs, plain=False)
     assert torch.equal(got, expected)
     assert list(trainer.shared_prefix_fallbacks) and "sliding window (6)" in caplog.text
+
+
+@pytest.mark.trains
+def test_tiled_images_are_served(tiny_dir, tmp_path):
+    # InternVL's processor cuts an image into tiles (pixel_values [tiles, C, H, W]); TRL counts each row's (`num_tiles`).
+    trainer = _trainer(tiny_dir, tmp_path, "internvl")
+    trainer.processing_class.image_processor.max_patches = 4  # the wide image: 2 tiles and a thumbnail
+    inputs = _batch(trainer, "internvl")
+    assert inputs["pixel_values"].size(0) > ROW_IMAGES and "num_tiles" in inputs
+    mask, calls = inputs["completion_mask"].bool(), trainer.shared_prefix_calls
+    with torch.no_grad():
+        plain, _ = _logps(trainer, inputs, plain=True)
+        for batch_size in (None, 3):
+            shared, _ = _logps(trainer, inputs, plain=False, batch_size=batch_size)
+            assert (shared - plain)[mask].abs().max() < 1e-4
+    assert trainer.shared_prefix_calls == calls + 2 and not getattr(trainer, "shared_prefix_fallbacks", {})

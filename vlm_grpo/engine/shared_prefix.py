@@ -53,7 +53,7 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = model_types(lambda family: family.share
 _MASK_ATTENTION = ("sdpa", "eager")
 _HANDLED_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "token_type_ids",
                    "mm_token_type_ids", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
-                   "num_videos", "image_sizes")  # fmt: skip
+                   "num_videos", "image_sizes", "num_tiles")  # fmt: skip
 
 
 class SharedPrefixUnsupported(Exception):

@@ -8,6 +8,7 @@ packs each group into one row. Both ask the same two questions of a batch, answe
      (`grid.prod()` patches per image);
    - Gemma 3: one entry per image, `pixel_values [images, C, H, W]` (LLaVA-style `image_sizes [images, 2]` alike:
      Mistral 3's Pixtral pads every image to the batch's largest; InternVL's tiles when an image is one tile);
+   - InternVL with tiled images: `pixel_values [tiles, C, H, W]`, each row's tiles given by TRL's `num_tiles`;
    - LLaVA-OneVision: one entry per image, `pixel_values [images, views, C, H, W]` (a base view and its tiles, padded
      to the batch's most views) with `image_sizes [images, 2]`;
    - Idefics3 / SmolVLM: one entry per row, `pixel_values [rows, max images, C, H, W]` with `pixel_attention_mask`.
@@ -120,6 +121,16 @@ class ImageLayout:
         image_ranges = [(image_starts[r], image_starts[r + 1]) for r in range(rows)]
         counts = [(n,) for n in images_per_row]
         grid = fields.get("image_grid_thw")
+        tiles = fields.get("num_tiles")
+        if tiles is not None and grid is None and fields.get("spatial_shapes") is None:
+            # InternVL's tiled images, pixel_values [tiles, C, H, W]: each row's tiles as TRL counts them (`num_tiles`).
+            tiles = [int(t) for t in tiles]
+            if len(tiles) != rows or pixel_values.size(0) != sum(tiles):
+                raise LayoutUnknown(f"{len(tiles)} tile counts ({sum(tiles)} tiles) for {rows} rows of "
+                                    f"{pixel_values.size(0)} pixel_values entries")  # fmt: skip
+            tile_starts = _starts(tiles)
+            tile_ranges = [(tile_starts[r], tile_starts[r + 1]) for r in range(rows)]
+            return cls(tile_ranges, image_ranges, [(n, t) for n, t in zip(images_per_row, tiles)])
         if grid is not None:  # Qwen: grid.prod() patch rows per image
             if fields.get("pixel_attention_mask") is not None:
                 raise LayoutUnknown("pixel_attention_mask with image_grid_thw is not a known layout")
