@@ -33,6 +33,7 @@ from vlm_grpo.families import (
 )
 from vlm_grpo.hooks import find_vision_tower
 from vlm_grpo.media.pixel_budget import resizes_by_pixel_budget
+from vlm_grpo.media.processing import check_video_support
 from vlm_grpo.media.processor import QWEN_PROCESSORS, build_qwen_processor, load_processor
 from vlm_grpo.model import FastVisionModel
 from vlm_grpo.rewards.grounding import FRAMES, coordinate_frame_for
@@ -254,3 +255,28 @@ def test_the_engine_serves_the_families_the_registry_says(tiny_dir):
         # A text model with sliding-window layers needs their own mask, so its family must take a mask dict.
         layer_types = set(getattr(model.config.get_text_config(), "layer_types", None) or ["full_attention"])
         assert layer_types == {"full_attention"} or FAMILIES[model_type].dict_mask or model_type in ONE_MASK_WINDOW
+
+
+STANDIN_FAMILIES = [
+    t for t, f in FAMILIES.items() if f.tiny and f.needs_torchvision_standins and f.video_budget is None
+]
+
+
+@pytest.mark.parametrize("model_type", STANDIN_FAMILIES)
+def test_processor_built_without_torchvision_saves_as_the_real_one(tiny_dir, tmp_path, model_type):
+    """Built around the PIL image processor (its video part left out, a stand-in where needed), the processor saves
+    the real class names and its own settings, the checkpoint's video settings kept, and loads back the same."""
+    family = FAMILIES[model_type]
+    processor = load_processor(tiny_dir(model_type), model_type)
+    assert type(processor).__name__ == family.processor_class
+    assert type(processor.image_processor).__name__ == family.pil_image_processor
+    processor.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "processor_config.json").read_text())
+    assert saved["processor_class"] == family.processor_class
+    if family.video_processor is not None:  # plain transformers (with torchvision) builds the video processor from it
+        assert saved["video_processor"]["video_processor_type"] == family.video_processor
+        with pytest.raises(ValueError, match="take no video"):  # its settings only: no clips through it
+            check_video_support(processor)
+    again = load_processor(str(tmp_path), model_type)
+    first, second = image_batch(processor, n=2), image_batch(again, n=2)
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)

@@ -110,11 +110,15 @@ def process_prompts(
 def check_video_support(processor: Any, model: Any = None) -> None:
     """Raise ValueError, naming the families that take clips, when `model`'s family or `processor` takes none."""
     family = find_family(model) if model is not None else None
-    if (family is not None and not family.supports_video) or getattr(processor, "video_processor", None) is None:
+    video = getattr(processor, "video_processor", None)
+    # Clips are served where the video budget has a rule (Qwen-VL); a processor built without its video part holds
+    # only its settings (`media.standins.VideoSettings`, not callable).
+    if (family is not None and family.video_budget is None) or video is None or not callable(video):
         which = f"{family.model_type} models" if family is not None else type(processor).__name__
         raise ValueError(
-            f"The rows have clips (a `video` / `videos` column or `<video>` placeholders), but {which} take no video. "
-            f"Use a family that does ({', '.join(model_types(lambda f: f.supports_video))}), or drop the clips."
+            f"The rows have clips (a `video` / `videos` column or `<video>` placeholders), but {which} take no video "
+            f"here. Use a family that does ({', '.join(model_types(lambda f: f.video_budget is not None))}), or drop "
+            "the clips."
         )
 
 
