@@ -239,7 +239,7 @@ def test_unsupported_models_and_settings_are_named(tiny_dir):
     model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl", words=COLORS), full_finetuning=True)
     assert unsupported_reason(model) is None
     assert "load-balancing" in unsupported_reason(model, compute_aux_loss=True)
-    assert "image_sizes" in unsupported_reason(model, image_sizes=torch.ones(1, 2))
+    assert "spatial_shapes" in unsupported_reason(model, spatial_shapes=torch.ones(1, 2))
     model.config.get_text_config()._attn_implementation = "flash_attention_2"
     assert "flash_attention_2" in unsupported_reason(model)
 

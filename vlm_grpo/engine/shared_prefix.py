@@ -29,7 +29,10 @@ Positions, per family (transformers 5, read from the modeling code):
   RoPE cannot tell from 0-based numbering (a constant shift). The mask arrives as a dict
   `{"full_attention", "sliding_attention"}` (the model builds both itself otherwise): sliding layers also limit
   `query_pos - key_pos < sliding_window`, measured in unpacked positions.
-- Idefics3 (Llama text model): 1-D positions, same as Gemma3; a 4-D mask is used as-is.
+- Idefics3 / SmolVLM, LLaVA-OneVision, InternVL, Mistral 3: 1-D positions as Gemma3; a 4-D mask is used as-is. GLM-4.1V
+  / 4.6V: 3-D positions from `get_rope_index`, as Qwen's.
+- PaliGemma (prefix-LM): the whole prompt is shared and attends bidirectionally; each segment sees its copy of `p`,
+  never the shared one (`hidden`). PaliGemma 2 builds its sliding-window masks from the one mask: rows within the window.
 
 Attention: the mask is built in the format the model's attention implementation expects (boolean for `sdpa`,
 additive float for `eager`); FlashAttention cannot take a 4-D mask, so those models fall back to TRL's path.
