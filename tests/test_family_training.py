@@ -13,6 +13,7 @@ import pytest
 from datasets import Dataset
 from PIL import Image
 
+from vlm_grpo.evaluation import evaluate
 from vlm_grpo.families import FAMILIES
 from vlm_grpo.media.standins import has_torchvision
 from vlm_grpo.model import FastVisionModel
@@ -76,3 +77,6 @@ def test_family_trains_with_default_settings(tiny_dir, tmp_path, family, caplog)
         assert not fallbacks, fallbacks
     shared = getattr(trainer, "shared_prefix_fallbacks", {})
     assert (trainer.shared_prefix_calls > 0 and not shared) == record.shared_prefix, shared
+    # The accuracy before / after training the command reports: evaluation generates with the same processor.
+    metrics = evaluate(model, processor, Dataset.from_list(_rows()[:2]), [_random_reward], max_new_tokens=3)
+    assert 0.0 <= metrics["mean_reward"] <= 1.0

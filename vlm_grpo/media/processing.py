@@ -111,9 +111,8 @@ def check_video_support(processor: Any, model: Any = None) -> None:
     """Raise ValueError, naming the families that take clips, when `model`'s family or `processor` takes none."""
     family = find_family(model) if model is not None else None
     video = getattr(processor, "video_processor", None)
-    # Clips are served where the video budget has a rule (Qwen-VL); a processor built without its video part holds
-    # only its settings (`media.standins.VideoSettings`, not callable).
-    if (family is not None and family.video_budget is None) or video is None or not callable(video):
+    # Clips are served where the video budget has a rule (Qwen-VL).
+    if (family is not None and family.video_budget is None) or video is None:
         which = f"{family.model_type} models" if family is not None else type(processor).__name__
         raise ValueError(
             f"The rows have clips (a `video` / `videos` column or `<video>` placeholders), but {which} take no video "

@@ -47,17 +47,22 @@ def _image_only_class(class_name: str, video_class_name: str) -> type:
     `video_processor=None` to the real class fails too), and save that one's settings itself.
     """
     import transformers
+    from transformers import ProcessorMixin
 
-    from .standins import smolvlm_without_num2words
+    from .standins import VideoSettings, smolvlm_without_num2words
 
     base = getattr(transformers, class_name)
-    building = smolvlm_without_num2words if class_name == "SmolVLMProcessor" else contextlib.nullcontext
+    smolvlm = class_name == "SmolVLMProcessor"
+    building = smolvlm_without_num2words if smolvlm else contextlib.nullcontext
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         video_processor = kwargs.pop("video_processor", None)  # a keyword, not a parameter: see the docstring
         with building():
             base.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
-        self.video_processor = video_processor
+        # Settings only (another family's dropped video processor) are kept to be saved; there is no video processor.
+        settings = isinstance(video_processor, VideoSettings)
+        self._video_settings = video_processor if settings else None
+        self.video_processor = None if settings else video_processor
 
     # The processor saves the settings its `__init__` signature names (`num_image_tokens`, `image_seq_length`, ...):
     # the real signature, without the video processor.
@@ -68,13 +73,15 @@ def _image_only_class(class_name: str, video_class_name: str) -> type:
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         out = base.save_pretrained(self, save_directory, *args, **kwargs)
-        _add_video_processor_config(save_directory, self.image_processor, video_class_name, self.video_processor)
+        video = self._video_settings or self.video_processor
+        _add_video_processor_config(save_directory, self.image_processor, video_class_name, video)
         return out
 
+    methods = {"__init__": __init__, "save_pretrained": save_pretrained, "__module__": base.__module__}
+    if smolvlm:  # its own adds only video settings (frame counts, a video template), read off its video processor
+        methods["apply_chat_template"] = ProcessorMixin.apply_chat_template
     # Saved as the real class name so plain transformers (with torchvision) loads the checkpoint as usual.
-    return type(
-        class_name, (base,), {"__init__": __init__, "save_pretrained": save_pretrained, "__module__": base.__module__}
-    )
+    return type(class_name, (base,), methods)
 
 
 def _add_video_processor_config(

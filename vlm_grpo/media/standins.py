@@ -11,7 +11,8 @@ ships them, although each has a PIL image processor that does the work:
   words; `smolvlm_without_num2words` lets an image-only processor build, and a video prompt would still fail loudly.
 - A processor whose video processor was dropped (`vlm_grpo.media.processor.build_image_only_processor`) keeps the
   checkpoint's video settings in `VideoSettings`, so it saves them back unchanged and plain transformers (with
-  torchvision) loads what we save; SmolVLM's `apply_chat_template` reads `num_frames` / `fps` from it even for images.
+  torchvision) loads what we save. (SmolVLM's `apply_chat_template` reads `num_frames` / `fps` off its video processor
+  even for images; the image-only SmolVLM processor takes `ProcessorMixin`'s, which does not.)
 
 With torchvision installed none of this is used: `vlm_grpo.media.processor.load_processor` takes transformers' path.
 """
@@ -30,8 +31,8 @@ _PIXTRAL_TORCHVISION_MODULE = "transformers.models.pixtral.image_processing_pixt
 
 
 class VideoSettings:
-    """A dropped video processor's settings: read as attributes (SmolVLM reads `num_frames` / `fps`), written back by
-    `to_dict` when the processor is saved. Not callable, so nothing mistakes it for a video processor."""
+    """A dropped video processor's settings, readable as attributes, written back by `to_dict` when the processor is
+    saved."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
         self._settings = dict(settings)
@@ -40,9 +41,6 @@ class VideoSettings:
         settings = self.__dict__.get("_settings", {})
         if name in settings:
             return settings[name]
-        if name in ("num_frames", "fps"):  # SmolVLM's, also kept under "video_sampling" in its Hub configs
-            sampling = settings.get("video_sampling") or {}
-            return sampling.get("max_frames" if name == "num_frames" else "fps")
         raise AttributeError(name)
 
     def to_dict(self) -> dict[str, Any]:
