@@ -119,3 +119,18 @@ def test_offline_learning_note_says_why_a_tiny_model_will_not_learn():
     assert offline_learning_note(["3", ".", "5"], ["3.5"]).startswith("1 of 1 gold answers")  # 3 . 5: three tokens
     many = offline_learning_note([f"word{i}" for i in range(MAX_LEARNABLE_WORDS)], colours)
     assert f"over {MAX_LEARNABLE_WORDS}" in many and "--model" in many
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sampled_completions_of_one_prompt_differ(tiny_dir, family):
+    # A GRPO group learns only from completions that differ; a tiny random model must not repeat one answer.
+    model, processor = FastVisionModel.from_pretrained(tiny_dir(family))
+    FastVisionModel.for_inference(model)
+    messages = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}]]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=text, images=[[Image.new("RGB", (56, 56), (0, 0, 255))]], return_tensors="pt")
+    inputs.pop("labels", None)
+    torch.manual_seed(0)
+    out = model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=True, num_return_sequences=4)
+    completions = {tuple(row) for row in out[:, inputs["input_ids"].shape[1] :].tolist()}
+    assert len(completions) >= 3
