@@ -35,6 +35,7 @@ from vlm_grpo.hooks import find_vision_tower
 from vlm_grpo.media.pixel_budget import resizes_by_pixel_budget
 from vlm_grpo.media.processing import check_video_support
 from vlm_grpo.media.processor import QWEN_PROCESSORS, build_qwen_processor, load_processor
+from vlm_grpo.media.standins import has_torchvision
 from vlm_grpo.model import FastVisionModel
 from vlm_grpo.rewards.grounding import FRAMES, coordinate_frame_for
 
@@ -262,6 +263,7 @@ STANDIN_FAMILIES = [
 ]
 
 
+@pytest.mark.skipif(has_torchvision(), reason="with torchvision, transformers builds these processors itself")
 @pytest.mark.parametrize("model_type", STANDIN_FAMILIES)
 def test_processor_built_without_torchvision_saves_as_the_real_one(tiny_dir, tmp_path, model_type):
     """Built around the PIL image processor (its video part left out, a stand-in where needed), the processor saves

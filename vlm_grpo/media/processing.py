@@ -147,7 +147,7 @@ def tokenize_distinct(
 
     `family` (the model's record, None for an unrecorded model) says what its processor cannot do: a family whose
     processor cannot take prompts of different lengths in one call (`Family.batched_prompts`) has them processed one by
-    one, and outputs no forward takes (`Family.forward_drops`) are dropped. A vision layout the row slicing does not
+    one, and the outputs are made what the rest of the package takes (`forward_inputs.prompt_fields`). A vision layout the row slicing does not
     know (e.g. InternVL's tiles) has every row processed, as TRL does.
     """
     distinct = distinct_prompts(prompts)
