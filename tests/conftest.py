@@ -29,6 +29,12 @@ def _trl_trains_here() -> bool:
 TRL_TRAINS_HERE = _trl_trains_here()
 
 
+def pytest_configure(config):
+    # Third-party, beside pyproject's list: numpy 2.4 deprecating torch's `Tensor.__array__` (no `copy` keyword),
+    # reached by transformers' PaliGemma and GLM-4V processors calling `np.array` on the tensors they return.
+    config.addinivalue_line("filterwarnings", "ignore:__array__ implementation doesn't accept a copy keyword")
+
+
 def pytest_collection_modifyitems(config, items):
     if TRL_TRAINS_HERE:
         return
@@ -90,7 +96,7 @@ def lora_b_grads(model, inputs) -> dict:
     """Every LoRA B matrix's gradient (None where none arrived) after a GRPO-style backward on `inputs`: no labels,
     the loss built on the logits."""
     model.zero_grad(set_to_none=True)
-    out = model(**inputs)
+    out = model(**{k: v for k, v in inputs.items() if k != "labels"})  # PaliGemma's processor returns some
     assert out.loss is None
     out.logits.float().logsumexp(-1).mean().backward()
     return {n: p.grad for n, p in model.named_parameters() if "lora_B" in n}

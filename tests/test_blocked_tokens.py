@@ -17,7 +17,8 @@ from transformers import GenerationConfig
 from vlm_grpo.blocked_tokens import BLOCKED_LOGIT, blocked_ids, check_blocking_settings, excluded_from_scoring
 from vlm_grpo.compat import checkpointing_settings
 from vlm_grpo.data import answer_words
-from vlm_grpo.families import core_model
+from vlm_grpo.families import core_model, family_of
+from vlm_grpo.media.forward_inputs import completion_token_types, images_per_row_input
 from vlm_grpo.media.processing import row_vision_inputs
 from vlm_grpo.model import FastVisionModel
 from vlm_grpo.tiny import TINY_FAMILIES
@@ -25,7 +26,7 @@ from vlm_grpo.trainer import VISION_ROWS, VLMGRPOConfig, VLMGRPOTrainer
 
 COLORS = answer_words("color", 1)
 MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "token_type_ids", "mm_token_type_ids",
-              "spatial_shapes")  # fmt: skip
+              "spatial_shapes", "image_sizes")  # fmt: skip
 PATHS = [(True, True), (True, False), (False, True), (False, False)]  # (fast_generation, shared_prefix)
 
 
@@ -35,6 +36,8 @@ def _zero_reward(prompts, completions, **kwargs):
 
 def _image_rows(family):
     rows = colour_rows(family)
+    if family_of(family).prefix_lm:  # PaliGemma's processor takes no prompt without an image
+        return [rows["one"], rows["one"], rows["two"], rows["two"], rows["other"], rows["other"]]
     return [rows["one"], rows["one"], rows["two"], rows["two"], rows["text"], rows["text"]]
 
 
@@ -66,6 +69,11 @@ def _sampler_logps(trainer, batch):
         inputs = {k: v for k, v in inputs.items() if k not in ("num_images", "num_videos")}
     else:
         inputs = {k: batch[k] for k in MULTIMODAL if k in batch}
+    # As generation feeds the model: each row's image count (LLaVA-OneVision), a prefix-LM's completion causal.
+    family = family_of(trainer.model)
+    inputs.update(images_per_row_input(family, batch.get("num_images")))
+    if family.prefix_lm:
+        inputs["token_type_ids"] = completion_token_types(inputs["token_type_ids"], width)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, **inputs).logits[:, -width - 1 : -1].float()
     logits = logits / trainer.temperature

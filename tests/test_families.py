@@ -33,11 +33,21 @@ from vlm_grpo.families import (
 )
 from vlm_grpo.hooks import find_vision_tower
 from vlm_grpo.media.pixel_budget import resizes_by_pixel_budget
+from vlm_grpo.media.processing import check_video_support
 from vlm_grpo.media.processor import QWEN_PROCESSORS, build_qwen_processor, load_processor
+from vlm_grpo.media.standins import has_torchvision
 from vlm_grpo.model import FastVisionModel
 from vlm_grpo.rewards.grounding import FRAMES, coordinate_frame_for
 
 ALL = list(FAMILIES)
+# Image tokens of one 56x56 image where the tiny model has other than 4: LLaVA-OneVision's base view, tile and newlines.
+IMAGE_TOKENS = {"llava_onevision": 10}
+# Processors that resize by a pixel budget of their own that `vlm_grpo.media.pixel_budget` does not serve: GLM's
+# `smart_resize` budgets frames x area (another signature than Qwen's); images are fitted before them instead.
+BUDGET_NOT_SERVED = {"glm4v", "glm46v"}
+# Sliding-window text models that build every layer's mask from one 4-D mask (PaliGemma 2): shared-prefix scoring
+# serves them while the rows fit the window, and refuses longer ones (tests/test_shared_prefix.py).
+ONE_MASK_WINDOW = {"paligemma"}
 
 
 def _qwen3_vl_moe(tiny_dir):
@@ -70,17 +80,9 @@ def _named(model, attribute):
 
 
 def test_registry_covers_the_families_the_package_handles():
-    assert set(FAMILIES) == {
-        "qwen2_vl",
-        "qwen2_5_vl",
-        "qwen3_vl",
-        "qwen3_vl_moe",
-        "qwen3_5",
-        "qwen3_5_moe",
-        "gemma3",
-        "idefics3",
-        "lfm2_vl",
-    }
+    assert set(FAMILIES) == {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma3",
+                             "idefics3", "llava_onevision", "paligemma", "glm4v", "glm46v", "internvl", "smolvlm",
+                             "mistral3", "lfm2_vl"}  # fmt: skip
     for model_type, family in FAMILIES.items():
         assert family.model_type == model_type
         assert family.box_frame is None or family.box_frame in FRAMES
@@ -103,7 +105,7 @@ def test_processor_classes_match_transformers_own_tables(model_type):
         assert family.pil_image_processor in names or own in names
     # The pixel budget lives in size["shortest_edge"] / ["longest_edge"] exactly where the family says it does.
     size = {k for k, v in dict(pil().size).items() if v is not None}  # a dict or a SizeDict, by release
-    assert ({"shortest_edge", "longest_edge"} <= size) == family.pixel_budget
+    assert ({"shortest_edge", "longest_edge"} <= size) == (family.pixel_budget or model_type in BUDGET_NOT_SERVED)
     assert resizes_by_pixel_budget(pil()) == family.pixel_budget
     # A processor takes videos when its constructor takes a video processor.
     parameters = inspect.signature(getattr(transformers, family.processor_class).__init__).parameters
@@ -121,13 +123,13 @@ def test_record_matches_the_real_model_and_processor(tiny_dir, model_type):
     assert resizes_by_pixel_budget(processor) == family.pixel_budget
 
     inputs = image_batch(processor, n=1)
-    assert set(inputs) == {"input_ids", "attention_mask", *family.image_inputs} | (
+    assert set(inputs) == {"input_ids", "attention_mask", *family.image_inputs, *family.forward_drops} | (
         {family.token_type_key} if family.token_type_key else set()
-    )
+    ) | ({"token_type_ids"} if family.prefix_lm else set())
     # The config's placeholder ids are where the image features go: 4 per image in these models, and exactly the
     # tokens the processor's token types mark as image.
     is_image = torch.isin(inputs["input_ids"], torch.tensor(sorted(family.image_token_ids(model.config))))
-    assert is_image.sum() == 4
+    assert is_image.sum() == IMAGE_TOKENS.get(model_type, 4)
     if family.token_type_key:
         assert torch.equal(inputs[family.token_type_key] == 1, is_image)
 
@@ -231,7 +233,7 @@ def test_tables_derived_from_the_registry_agree_with_it():
     help_text = next(f.metadata["help"] for f in dataclasses.fields(cli.ScriptArguments) if f.name == "model")
     assert f"(families: {', '.join(tiny.TINY_FAMILIES)})" in help_text
     assert model_types(lambda f: f.rope == "mrope") == (
-        "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"
+        "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "glm46v"
     )  # fmt: skip
 
 
@@ -261,5 +263,32 @@ def test_the_engine_serves_the_families_the_registry_says(tiny_dir):
         # recurrent layers is continued from its prompt's cache instead of packed (`engine.prefix_cache`).
         layer_types = set(getattr(model.config.get_text_config(), "layer_types", None) or ["full_attention"])
         recurrent = bool(layer_types & RECURRENT_LAYER_TYPES)
-        assert layer_types == {"full_attention"} or FAMILIES[model_type].dict_mask or recurrent
+        one_window = model_type in ONE_MASK_WINDOW
+        assert layer_types == {"full_attention"} or FAMILIES[model_type].dict_mask or recurrent or one_window
         assert prefix_cache_serves(model) == recurrent
+
+
+STANDIN_FAMILIES = [
+    t for t, f in FAMILIES.items() if f.tiny and f.needs_torchvision_standins and f.video_budget is None
+]
+
+
+@pytest.mark.skipif(has_torchvision(), reason="with torchvision, transformers builds these processors itself")
+@pytest.mark.parametrize("model_type", STANDIN_FAMILIES)
+def test_processor_built_without_torchvision_saves_as_the_real_one(tiny_dir, tmp_path, model_type):
+    """Built around the PIL image processor (its video part left out, a stand-in where needed), the processor saves
+    the real class names and its own settings, the checkpoint's video settings kept, and loads back the same."""
+    family = FAMILIES[model_type]
+    processor = load_processor(tiny_dir(model_type), model_type)
+    assert type(processor).__name__ == family.processor_class
+    assert type(processor.image_processor).__name__ == family.pil_image_processor
+    processor.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "processor_config.json").read_text())
+    assert saved["processor_class"] == family.processor_class
+    if family.video_processor is not None:  # plain transformers (with torchvision) builds the video processor from it
+        assert saved["video_processor"]["video_processor_type"] == family.video_processor
+        with pytest.raises(ValueError, match="take no video"):  # its settings only: no clips through it
+            check_video_support(processor)
+    again = load_processor(str(tmp_path), model_type)
+    first, second = image_batch(processor, n=2), image_batch(again, n=2)
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)

@@ -78,7 +78,46 @@ EXPECTED = {
         | {"model.language_model.layers.N.conv.in_proj", "model.language_model.layers.N.conv.out_proj"},
         {f"model.language_model.layers.N.feed_forward.w{i}" for i in (1, 2, 3)},
     ),
+    "llava_onevision": (
+        {f"model.vision_tower.encoder.layers.N.{p}" for p in SIGLIP_ATTN},
+        {"model.vision_tower.encoder.layers.N.mlp.fc1", "model.vision_tower.encoder.layers.N.mlp.fc2",
+         "model.multi_modal_projector.linear_1", "model.multi_modal_projector.linear_2"},
+        LANG_ATTN,
+        LANG_MLP,
+    ),
+    "paligemma": (
+        {f"model.vision_tower.encoder.layers.N.{p}" for p in SIGLIP_ATTN},
+        {"model.vision_tower.encoder.layers.N.mlp.fc1", "model.vision_tower.encoder.layers.N.mlp.fc2",
+         "model.multi_modal_projector.linear"},
+        LANG_ATTN,
+        LANG_MLP,
+    ),
+    "glm4v": (
+        {"model.visual.blocks.N.attn.qkv", "model.visual.blocks.N.attn.proj"},
+        {f"model.visual.blocks.N.mlp.{p}_proj" for p in ("gate", "up", "down")}
+        | {f"model.visual.merger.{p}" for p in ("proj", "gate_proj", "up_proj", "down_proj")},
+        LANG_ATTN,
+        {"model.language_model.layers.N.mlp.gate_up_proj", "model.language_model.layers.N.mlp.down_proj"},
+    ),
+    "internvl": (
+        {f"model.vision_tower.encoder.layer.N.attention.{p}" for p in ("q_proj", "k_proj", "v_proj",
+                                                                        "projection_layer")},
+        {"model.vision_tower.encoder.layer.N.mlp.fc1", "model.vision_tower.encoder.layer.N.mlp.fc2",
+         "model.multi_modal_projector.linear_1", "model.multi_modal_projector.linear_2"},
+        LANG_ATTN,
+        LANG_MLP,
+    ),
+    "mistral3": (
+        {f"model.vision_tower.transformer.layers.N.attention.{p}_proj" for p in "qkvo"},
+        {f"model.vision_tower.transformer.layers.N.feed_forward.{p}_proj" for p in ("gate", "up", "down")}
+        | {"model.multi_modal_projector.linear_1", "model.multi_modal_projector.linear_2",
+           "model.multi_modal_projector.patch_merger.merging_layer"},
+        LANG_ATTN,
+        LANG_MLP,
+    ),
 }
+EXPECTED["glm46v"] = EXPECTED["glm4v"]  # the same parts
+EXPECTED["smolvlm"] = EXPECTED["idefics3"]  # Idefics3's architecture
 # fmt: on
 FLAGS = {  # (vision, language, attention, mlp) -> which EXPECTED entries
     "vision_attention": ((True, False, True, False), (0,)),

@@ -13,6 +13,7 @@ from datasets import Dataset
 from trl import GRPOTrainer
 
 from vlm_grpo.data import answer_words
+from vlm_grpo.families import family_of
 from vlm_grpo.media.batch_layout import LayoutUnknown
 from vlm_grpo.model import FastVisionModel
 from vlm_grpo.rollout_batch import concat_rollouts, loss_token_count, select_rollouts
@@ -31,6 +32,8 @@ def _varied_reward(prompts, completions, **kwargs):
 def _rows(family):
     rows = colour_rows(family)
     text, one, other = rows["text"], rows["one"], rows["other"]
+    if family_of(family).prefix_lm:  # PaliGemma's processor takes no prompt without an image
+        text = dict(other, prompt=user_turn(None, "Say red."))
     two = dict(rows["two"], prompt=user_turn(None, "and", None, "which colour comes first?"))
     # Two batches: text and one-image rows with short prompts; two-image rows with a longer prompt.
     return [text, text, one, one], [two, two, other, other]
@@ -68,8 +71,15 @@ def _cut_completions(batch: dict, width: int) -> dict:
 def _logps(trainer, batch):
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    # TRL's own per-row method; where it scores a family wrong (PaliGemma's prefix, LLaVA-OneVision's image counts),
+    # the trainer's per-row path, which is that method with the fixes (tests/test_scoring_fixes.py).
+    family = family_of(trainer.model)
+    method = GRPOTrainer._get_per_token_logps_and_entropies
+    if family.prefix_lm or family.images_per_row_input:
+        method = VLMGRPOTrainer._get_per_token_logps_and_entropies
+        trainer.args.shared_prefix = False
     with torch.no_grad():
-        logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+        logps, _, _ = method(
             trainer, trainer.model, input_ids, attention_mask, batch["completion_ids"].size(1),
             **{k: batch[k] for k in MULTIMODAL if k in batch},
         )  # fmt: skip
@@ -90,7 +100,8 @@ def test_joined_rows_score_as_in_their_own_batches(tiny_dir, tmp_path, family):
     assert set(joined) == set(first) - {"num_items_in_batch"}
     assert joined["prompt_ids"].shape[1] == max(first["prompt_ids"].shape[1], second["prompt_ids"].shape[1])
     assert joined["completion_ids"].shape[1] == first["completion_ids"].shape[1] > 3
-    assert joined["num_images"] == [first["num_images"][3], 0, 1, 2, 1]
+    text_images = int(family_of(family).prefix_lm)  # PaliGemma's "text" rows hold an image
+    assert joined["num_images"] == [first["num_images"][3], text_images, 1, 2, 1]
     assert torch.equal(joined["advantages"], torch.stack([batch["advantages"][row] for batch, row in picks]))
     assert loss_token_count(joined) == sum(int(batch["completion_mask"][row].sum()) for batch, row in picks)
 

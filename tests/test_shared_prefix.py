@@ -13,6 +13,7 @@ from vlm_grpo.compat import checkpointing_settings
 from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
 from vlm_grpo.engine.adapters_off import AdaptersOff
 from vlm_grpo.engine.shared_prefix import unsupported_reason
+from vlm_grpo.families import family_of
 from vlm_grpo.hooks import find_vision_tower
 from vlm_grpo.model import FastVisionModel
 from vlm_grpo.modes import is_checkpointing
@@ -21,7 +22,15 @@ from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
 COLORS = answer_words("color", 1)
 MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "token_type_ids",
-              "mm_token_type_ids", "spatial_shapes", "num_tiles")  # fmt: skip
+              "mm_token_type_ids", "image_sizes", "spatial_shapes", "num_tiles")  # fmt: skip
+
+
+def _trl_scores_it_right(model) -> bool:
+    """Whether TRL's own per-row method scores this family right. Not PaliGemma's (its completion would join the
+    bidirectional prompt) nor LLaVA-OneVision's (no per-forward image counts): their plain path is the trainer's
+    per-row path, TRL's method with the fixes (tests/test_scoring_fixes.py checks those against TRL's)."""
+    family = family_of(model)
+    return not (family.prefix_lm or family.images_per_row_input or family.forward_drops)
 
 
 def _zero_reward(prompts, completions, **kwargs):
@@ -35,9 +44,21 @@ def _rows(family):
     # the shared path must tell them apart by their pixels. Each appears once (a group of one).
     other_pixels = rows["other"]
     swapped = {"prompt": two["prompt"], "images": two["images"][::-1]}
+    if family_of(family).prefix_lm:  # PaliGemma's processor takes no prompt without an image
+        text = {"prompt": [{"role": "user", "content": [{"type": "image"}, *text["prompt"][0]["content"]]}],
+                "images": other_pixels["images"]}  # fmt: skip
     # 9 images in 8 rows: TRL's split_pixel_values_by_grid takes Idefics3's per-row pixel_values for per-image ones
     # when the image count equals the row count, and then shuffles images away from their rows.
     return [text, text, one, one, two, two, other_pixels, swapped]
+
+
+def _encoded(family):
+    """`(row, unique)`: what the vision tower encodes for `_rows`' images in TRL's rows and in the distinct prompts:
+    images, or LLaVA-OneVision's views (a row's only image is a base view and a tile, several images a view each), or
+    with PaliGemma's image in the text prompt, two more images in the rows and one more distinct."""
+    if family == "llava_onevision":
+        return 12, 8
+    return (ROW_IMAGES + 2, UNIQUE_IMAGES + 1) if family_of(family).prefix_lm else (ROW_IMAGES, UNIQUE_IMAGES)
 
 
 ROW_IMAGES, UNIQUE_IMAGES = 9, 6  # images in TRL's rows, and in the distinct prompts (0 + 1 + 2 + 1 + 2)
@@ -79,10 +100,16 @@ def _logps(trainer, inputs, plain, batch_size=None):
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     method = trl_logps if plain else VLMGRPOTrainer._get_per_token_logps_and_entropies
-    logps, entropies, _ = method(
-        trainer, trainer.model, input_ids, attention_mask, inputs["completion_ids"].size(1), batch_size=batch_size,
-        compute_entropy=True, **{k: inputs[k] for k in MULTIMODAL if k in inputs},
-    )  # fmt: skip
+    shared = trainer.args.shared_prefix
+    if plain and not _trl_scores_it_right(trainer.model):
+        method, trainer.args.shared_prefix = VLMGRPOTrainer._get_per_token_logps_and_entropies, False
+    try:
+        logps, entropies, _ = method(
+            trainer, trainer.model, input_ids, attention_mask, inputs["completion_ids"].size(1),
+            batch_size=batch_size, compute_entropy=True, **{k: inputs[k] for k in MULTIMODAL if k in inputs},
+        )  # fmt: skip
+    finally:
+        trainer.args.shared_prefix = shared
     return logps, entropies
 
 
@@ -119,8 +146,9 @@ def test_logps_and_entropies_match_the_plain_path(tiny_dir, tmp_path, family):
             assert not shared[~mask].any() and not shared_entropy[~mask].any()  # zeros, as TRL's
     assert trainer.shared_prefix_calls == calls + 2 and not getattr(trainer, "shared_prefix_fallbacks", {})
     # TRL encodes every row's images; the shared path each group's once (the pixel-only twins kept apart).
-    assert sum(counter.counts[:1]) == ROW_IMAGES and sum(counter.counts[1:2]) == UNIQUE_IMAGES
-    assert sum(counter.counts[2:]) == UNIQUE_IMAGES
+    row_images, unique_images = _encoded(family)
+    assert sum(counter.counts[:1]) == row_images and sum(counter.counts[1:2]) == unique_images
+    assert sum(counter.counts[2:]) == unique_images
     assert plain[mask].std() > 0.1  # the comparison is not between constants
 
 
@@ -155,9 +183,12 @@ def test_loss_and_every_gradient_match_the_plain_path(tiny_dir, tmp_path, family
     (plain_loss, plain_grads), (shared_loss, shared_grads) = results[False], results[True]
     assert torch.isfinite(plain_loss) and abs(shared_loss - plain_loss) <= 1e-3 * abs(plain_loss) + 1e-6
     assert set(shared_grads) == set(plain_grads) == set(params)
+    # A gradient that cancels to float32 noise is held to the largest one's precision: Pixtral's key projections over a
+    # plain-colour image (every patch the same input, only their rotary positions apart: the key gradients sum to ~0).
+    floor = 1e-6 * max(grad.norm() for grad in plain_grads.values())
     for name, grad in plain_grads.items():
         assert grad.norm() > 0, name
-        assert (shared_grads[name] - grad).norm() <= 1e-3 * grad.norm(), name
+        assert (shared_grads[name] - grad).norm() <= 1e-3 * grad.norm() + floor, name
     if lora in ("vision", "both"):
         assert any(".visual." in n or "vision" in n for n in plain_grads)
 
@@ -208,7 +239,7 @@ def test_unsupported_models_and_settings_are_named(tiny_dir):
     model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl", words=COLORS), full_finetuning=True)
     assert unsupported_reason(model) is None
     assert "load-balancing" in unsupported_reason(model, compute_aux_loss=True)
-    assert "image_sizes" in unsupported_reason(model, image_sizes=torch.ones(1, 2))
+    assert "spatial_shapes" in unsupported_reason(model, spatial_shapes=torch.ones(1, 2))
     model.config.get_text_config()._attn_implementation = "flash_attention_2"
     assert "flash_attention_2" in unsupported_reason(model)
 
@@ -299,7 +330,40 @@ def test_clips_logps_loss_and_every_gradient_match_the_plain_path(tiny_dir, tmp_
     (plain_loss, plain_grads), (shared_loss, shared_grads) = grads[False], grads[True]
     assert torch.isfinite(plain_loss) and abs(shared_loss - plain_loss) <= 1e-3 * abs(plain_loss) + 1e-6
     assert set(shared_grads) == set(plain_grads) == set(params)
+    # A gradient that cancels to float32 noise is held to the largest one's precision: Pixtral's key projections over a
+    # plain-colour image (every patch the same input, only their rotary positions apart: the key gradients sum to ~0).
+    floor = 1e-6 * max(grad.norm() for grad in plain_grads.values())
     for name, grad in plain_grads.items():
         assert grad.norm() > 0, name
-        assert (shared_grads[name] - grad).norm() <= 1e-3 * grad.norm(), name
+        assert (shared_grads[name] - grad).norm() <= 1e-3 * grad.norm() + floor, name
     assert any(".visual." in n for n in plain_grads)  # the vision tower learns from the clips
+
+
+@pytest.mark.trains
+def test_one_mask_sliding_window_model_falls_back_beyond_its_window(tiny_dir, tmp_path, caplog):
+    # PaliGemma 2 builds its sliding-window layers' masks from the one 4-D mask it is given: exact while no row is
+    # longer than the window; beyond it TRL's per-row path serves, logged once.
+    trainer = _trainer(tiny_dir, tmp_path, "paligemma")
+    inputs = _batch(trainer, "paligemma")
+    trainer.model.config.text_config.sliding_window = 6
+    with torch.no_grad(), caplog.at_level("WARNING"):
+        expected, _ = _logps(trainer, inputs, plain=True)
+        got, _ = _logps(trainer, inputs, plain=False)
+    assert torch.equal(got, expected)
+    assert list(trainer.shared_prefix_fallbacks) and "sliding window (6)" in caplog.text
+
+
+@pytest.mark.trains
+def test_tiled_images_are_served(tiny_dir, tmp_path):
+    # InternVL's processor cuts an image into tiles (pixel_values [tiles, C, H, W]); TRL counts each row's (`num_tiles`).
+    trainer = _trainer(tiny_dir, tmp_path, "internvl")
+    trainer.processing_class.image_processor.max_patches = 4  # the wide image: 2 tiles and a thumbnail
+    inputs = _batch(trainer, "internvl")
+    assert inputs["pixel_values"].size(0) > ROW_IMAGES and "num_tiles" in inputs
+    mask, calls = inputs["completion_mask"].bool(), trainer.shared_prefix_calls
+    with torch.no_grad():
+        plain, _ = _logps(trainer, inputs, plain=True)
+        for batch_size in (None, 3):
+            shared, _ = _logps(trainer, inputs, plain=False, batch_size=batch_size)
+            assert (shared - plain)[mask].abs().max() < 1e-4
+    assert trainer.shared_prefix_calls == calls + 2 and not getattr(trainer, "shared_prefix_fallbacks", {})

@@ -19,7 +19,16 @@ EXPECTED_TYPES = {
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "lfm2_vl": "Lfm2VlForConditionalGeneration",
+    "llava_onevision": "LlavaOnevisionForConditionalGeneration",
+    "paligemma": "PaliGemmaForConditionalGeneration",
+    "glm4v": "Glm4vForConditionalGeneration",
+    "glm46v": "Glm46VForConditionalGeneration",
+    "internvl": "InternVLForConditionalGeneration",
+    "smolvlm": "SmolVLMForConditionalGeneration",
+    "mistral3": "Mistral3ForConditionalGeneration",
 }
+# Image tokens of one 56x56 image: 4 in every tiny family but LLaVA-OneVision (a base view, a tile, their newlines).
+IMAGE_TOKENS = {"llava_onevision": 10}
 
 
 # The five families and any family tiny.py adds: each must build, and as its expected architecture.
@@ -49,9 +58,10 @@ def test_load_and_generate_from_image_prompt(tiny_dir, family):
     ]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     inputs = processor(text=text, images=[[Image.new("RGB", (56, 56), (255, 0, 0))]], return_tensors="pt")
+    inputs.pop("labels", None)  # PaliGemma's processor returns them (all -100): not a generation input
     image_token_id = model.config.image_token_id if hasattr(model.config, "image_token_id") else None
     image_token_id = image_token_id or model.config.image_token_index
-    assert (inputs["input_ids"] == image_token_id).sum() == 4  # every tiny family: 4 image tokens per image
+    assert (inputs["input_ids"] == image_token_id).sum() == IMAGE_TOKENS.get(family, 4)
     out = model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=True)
     assert out.shape[1] == inputs["input_ids"].shape[1] + 4
 
@@ -112,3 +122,18 @@ def test_offline_learning_note_says_why_a_tiny_model_will_not_learn():
     assert offline_learning_note(["3", ".", "5"], ["3.5"]).startswith("1 of 1 gold answers")  # 3 . 5: three tokens
     many = offline_learning_note([f"word{i}" for i in range(MAX_LEARNABLE_WORDS)], colours)
     assert f"over {MAX_LEARNABLE_WORDS}" in many and "--model" in many
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sampled_completions_of_one_prompt_differ(tiny_dir, family):
+    # A GRPO group learns only from completions that differ; a tiny random model must not repeat one answer.
+    model, processor = FastVisionModel.from_pretrained(tiny_dir(family))
+    FastVisionModel.for_inference(model)
+    messages = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}]]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=text, images=[[Image.new("RGB", (56, 56), (0, 0, 255))]], return_tensors="pt")
+    inputs.pop("labels", None)
+    torch.manual_seed(0)
+    out = model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=True, num_return_sequences=4)
+    completions = {tuple(row) for row in out[:, inputs["input_ids"].shape[1] :].tolist()}
+    assert len(completions) >= 3

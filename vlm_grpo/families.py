@@ -37,6 +37,9 @@ Rope = Literal["mrope", "1d"]
 VideoBudget = Literal["frame", "clip"]
 BoxFrame = Literal["qwen2_vl", "qwen2_5_vl"]
 
+# Processors without a video part that still need `vlm_grpo.media.standins` to build without torchvision.
+_STANDIN_PROCESSORS = ("PaliGemmaProcessor", "PixtralProcessor")
+
 # Attribute names other (unregistered) transformers VLMs keep their vision encoder under, so the hooks and 4-bit
 # loading still find it in a VLM without a record here (e.g. LightOnOCR's `vision_encoder`).
 OTHER_VISION_TOWER_NAMES = ("vision_encoder", "image_encoder")
@@ -92,6 +95,23 @@ class Family:
     shared_prefix: bool
     #: Whether `vlm_grpo.tiny.build_tiny_vlm` builds an offline tiny model of it (tests, the demo).
     tiny: bool
+    #: Prefix-LM attention (PaliGemma): the whole prompt attends bidirectionally, the completion causally; the model
+    #: tells them apart by ``token_type_ids`` (0 prompt, 1 completion), so a scored completion must be marked 1.
+    prefix_lm: bool = False
+    #: Processor outputs no forward takes, dropped where processor outputs enter (PaliGemma's all -100 ``labels``).
+    forward_drops: tuple[str, ...] = ()
+    #: The forward input holding each row's image count (LLaVA-OneVision's ``batch_num_images``: one image per row
+    #: is tiled, several are not), computed for each forward from its rows' ``num_images``.
+    images_per_row_input: str | None = None
+    #: Whether the processor takes a batch of prompts that tokenize to different lengths without padding
+    #: (PaliGemma's `labels` and Pixtral's tensors do not); if not, distinct prompts are processed one by one.
+    batched_prompts: bool = True
+
+    @property
+    def needs_torchvision_standins(self) -> bool:
+        """Whether its processor cannot be built as transformers ships it without torchvision: it bundles a video
+        processor, or needs a stand-in (`vlm_grpo.media.standins`; PaliGemma's image token count, Pixtral's import)."""
+        return self.video_processor is not None or self.processor_class in _STANDIN_PROCESSORS
 
     @property
     def supports_video(self) -> bool:
@@ -149,7 +169,6 @@ _QWEN3_VL = dataclasses.replace(
 # The mixture-of-experts text model under the same vision side. Not served by shared-prefix scoring yet: it has no
 # tiny model to check it against.
 _QWEN3_VL_MOE = dataclasses.replace(_QWEN3_VL, model_type="qwen3_vl_moe", shared_prefix=False, tiny=False)
-
 # Qwen3.5: Qwen3-VL's processor, positions and video, over a hybrid text model whose linear-attention layers (gated
 # delta rule: a convolution and a recurrent state) cannot be packed behind a shared prompt with a 4-D mask; shared-prefix
 # scoring continues each group's prompt cache instead (`vlm_grpo.engine.prefix_cache`). The MoE variant routes experts.
@@ -199,6 +218,67 @@ _IDEFICS3 = Family(
     tiny=True,
 )
 
+# SmolVLM (SmolVLM2 checkpoints): Idefics3's architecture and processor under its own model type, with a video part.
+_SMOLVLM = dataclasses.replace(
+    _IDEFICS3, model_type="smolvlm", processor_class="SmolVLMProcessor", image_package="smolvlm",
+    pil_image_processor="SmolVLMImageProcessorPil", video_processor="SmolVLMVideoProcessor",
+)  # fmt: skip
+
+# LLaVA-OneVision: SigLIP + Qwen2; one image per row is tiled (any resolution: a base view and tiles, 5-D
+# pixel_values [images, views, C, H, W]), several are not, which the model learns from `batch_num_images`.
+_LLAVA_ONEVISION = Family(
+    model_type="llava_onevision",
+    rope="1d",
+    processor_class="LlavaOnevisionProcessor",
+    image_package="llava_onevision",
+    pil_image_processor="LlavaOnevisionImageProcessorPil",
+    pixel_budget=False,  # resized to the best of its grid pinpoints, then cut into tiles
+    video_processor="LlavaOnevisionVideoProcessor",
+    video_budget=None,  # clips are served for Qwen-VL only (the video budget's rules are theirs)
+    vision_tower="vision_tower",
+    projector="multi_modal_projector",
+    image_inputs=("pixel_values", "image_sizes", "batch_num_images"),
+    token_type_key=None,
+    image_token_attrs=("image_token_id", "video_token_id"),
+    dict_mask=True,
+    bidirectional_image_attention=False,
+    box_frame=None,
+    shared_prefix=True,
+    tiny=True,
+    images_per_row_input="batch_num_images",
+)
+# InternVL 3 / 3.5 (transformers-native checkpoints): InternViT + Qwen2; images cut into tiles ([tiles, C, H, W]).
+_INTERNVL = dataclasses.replace(
+    _LLAVA_ONEVISION, model_type="internvl", processor_class="InternVLProcessor", image_package="got_ocr2",
+    pil_image_processor="GotOcr2ImageProcessorPil", video_processor="InternVLVideoProcessor",
+    image_inputs=("pixel_values",), image_token_attrs=("image_token_id",), images_per_row_input=None,
+)  # fmt: skip
+# Mistral 3 (Mistral Small 3.1 / 3.2): Pixtral vision (each image at its own aspect ratio, `image_sizes`) + Mistral.
+_MISTRAL3 = dataclasses.replace(
+    _INTERNVL, model_type="mistral3", processor_class="PixtralProcessor", image_package="pixtral",
+    pil_image_processor="PixtralImageProcessorPil", video_processor=None, image_inputs=("pixel_values", "image_sizes"),
+    dict_mask=False, batched_prompts=False,
+)  # fmt: skip
+# PaliGemma (2): SigLIP + Gemma (2), prefix-LM attention over the whole prompt (its token_type_ids mark prompt 0 and
+# completion 1, not images); no chat template on the Hub.
+_PALIGEMMA = dataclasses.replace(
+    _MISTRAL3, model_type="paligemma", processor_class="PaliGemmaProcessor", image_package="siglip",
+    pil_image_processor="SiglipImageProcessorPil", image_inputs=("pixel_values",),
+    bidirectional_image_attention=True, prefix_lm=True, forward_drops=("labels",),
+)  # fmt: skip
+# GLM-4.1V and GLM-4.5V / 4.6V (`glm46v`, the same parts): Qwen2-VL-like vision and 3-D rotary positions. Their
+# `smart_resize` budgets frames x area, unlike Qwen's, so the package's pixel budget does not serve them (images are
+# fitted before the processor, as for fixed-size processors), nor do clips.
+_GLM4V = dataclasses.replace(
+    _QWEN2_VL, model_type="glm4v", processor_class="Glm4vProcessor", image_package="glm4v",
+    pil_image_processor="Glm4vImageProcessorPil", pixel_budget=False, video_processor="Glm4vVideoProcessor",
+    video_budget=None, dict_mask=False, box_frame=None,
+)  # fmt: skip
+_GLM46V = dataclasses.replace(
+    _GLM4V, model_type="glm46v", processor_class="Glm46VProcessor", image_package="glm46v",
+    pil_image_processor="Glm46VImageProcessorPil", video_processor="Glm46VVideoProcessor",
+)  # fmt: skip
+
 # LFM2-VL: LFM2's hybrid text model (short convolutions beside attention: continued from a prompt cache, not packed)
 # and a SigLIP2 NaFlex tower fed patch rows with a mask. transformers' image processor needs torchvision; ours is its
 # one-tile PIL variant.
@@ -236,6 +316,13 @@ FAMILIES: MappingProxyType[str, Family] = MappingProxyType(
             _QWEN3_5_MOE,
             _GEMMA3,
             _IDEFICS3,
+            _LLAVA_ONEVISION,
+            _PALIGEMMA,
+            _GLM4V,
+            _GLM46V,
+            _INTERNVL,
+            _SMOLVLM,
+            _MISTRAL3,
             _LFM2_VL,
         )
     }

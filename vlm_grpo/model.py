@@ -90,6 +90,16 @@ def _bitsandbytes_runs_on_cpu() -> bool:
     return True
 
 
+def _one_attention_implementation(model: nn.Module) -> None:
+    """Eager attention for the whole model where transformers chose sdpa for it but its text model has none (PaliGemma
+    2's Gemma 2 under transformers 5.2x). TRL reloads a full fine-tune's KL reference with the model's top-level
+    setting, and Gemma 2 refuses sdpa with a ValueError there."""
+    top = getattr(model.config, "_attn_implementation", None)
+    text = getattr(model.config.get_text_config(), "_attn_implementation", None)
+    if top == "sdpa" and text == "eager":
+        model.set_attn_implementation("eager")
+
+
 class FastBaseVisionModel:
     """Load, adapt, switch and export vision-language models (static methods, Unsloth's names)."""
 
@@ -181,6 +191,8 @@ class FastBaseVisionModel:
         processor = load_processor(model_name, config.model_type, trust_remote_code=trust_remote_code, **hub_kwargs)
         set_processor_pixel_budget(processor, min_pixels, max_pixels)
         model = AutoModelForImageTextToText.from_pretrained(model_name, **load_kwargs)
+        if attn_implementation is None:
+            _one_attention_implementation(model)
 
         object.__setattr__(model, "_vlm_grpo_processor", processor)
         if full_finetuning:

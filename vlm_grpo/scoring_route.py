@@ -20,7 +20,9 @@ import torch
 from .engine.prefix_cache import prefix_cache_logps
 from .engine.prefix_cache import serves as prefix_cache_serves
 from .engine.shared_prefix import SharedPrefixUnsupported, shared_prefix_logps
-from .media.batch_layout import VIDEO_KEYS
+from .families import find_family
+from .media.batch_layout import VIDEO_KEYS, select_rows
+from .media.forward_inputs import images_per_row_input, scoring_inputs
 from .media.processing import row_vision_inputs
 
 __all__ = ["logps_by_path"]
@@ -48,7 +50,10 @@ def logps_by_path(
     model_inputs: dict[str, Any],
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
     """TRL's `(logps, entropies, aux_loss)` for `model` on the batch, by the shared-prefix path where it serves, else
-    `trl_scoring` (TRL's own method), with a batch's clips (`trainer._vision_rows`) passed to the model."""
+    `trl_scoring` (TRL's own method), with a batch's clips (`trainer._vision_rows`) passed to the model, and the
+    processor's outputs as the family's forward takes them (`vlm_grpo.media.forward_inputs`)."""
+    family = find_family(trainer.accelerator.unwrap_model(model))
+    model_inputs = scoring_inputs(family, model_inputs, logits_to_keep)
     rows = trainer._vision_rows
     if rows is not None:  # a batch with clips: its vision inputs (images too) come from the rows, not from TRL
         if len(rows) != input_ids.size(0):
@@ -75,10 +80,47 @@ def logps_by_path(
     if rows is not None:
         return _per_row_with_clips(trainer, trl_scoring, model, input_ids, attention_mask, logits_to_keep, batch_size,
                                    compute_entropy, compute_aux_loss)  # fmt: skip
+    if family is not None and family.images_per_row_input is not None and model_inputs.get("num_images") is not None:
+        return _per_forward(trainer, trl_scoring, model, input_ids, attention_mask, logits_to_keep, batch_size,
+                            compute_entropy, compute_aux_loss, model_inputs, family)  # fmt: skip
     return trl_scoring(
         model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, compute_entropy=compute_entropy,
         compute_aux_loss=compute_aux_loss, **model_inputs,
     )  # fmt: skip
+
+
+def _per_forward(
+    trainer: Any, trl_scoring: TrlScoring, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    logits_to_keep: int, batch_size: int | None, compute_entropy: bool, compute_aux_loss: bool,
+    model_inputs: dict[str, Any], family: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """TRL's per-row forward, its method called on each `batch_size` rows with their inputs, and the input that holds
+    one forward's image counts (LLaVA-OneVision's `batch_num_images`, which TRL's method does not take) handed to the
+    model beside them."""
+    size = input_ids.size(0)
+    inputs = {k: v for k, v in model_inputs.items() if v is not None}
+    num_images = [int(n) for n in inputs["num_images"]]
+    results = []
+    for start in range(0, size, batch_size or size):
+        end = min(start + (batch_size or size), size)
+        chunk = select_rows(inputs, num_images, list(range(start, end)))
+        chunk["num_images"] = num_images[start:end]
+        extra = images_per_row_input(family, chunk["num_images"], input_ids.device)
+        results.append(trl_scoring(
+            _WithInputs(model, extra), input_ids[start:end], attention_mask[start:end], logits_to_keep,
+            compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **chunk,
+        ))  # fmt: skip
+    return _joined(results, compute_entropy, compute_aux_loss)
+
+
+def _joined(
+    results: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]], compute_entropy: bool,
+    compute_aux_loss: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    logps = torch.cat([r[0] for r in results])
+    entropies = torch.cat([r[1] for r in results]) if compute_entropy else None
+    aux = torch.stack([r[2] for r in results]).mean() if compute_aux_loss else None
+    return logps, entropies, aux
 
 
 def _per_row_with_clips(
@@ -101,7 +143,4 @@ def _per_row_with_clips(
             compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **inputs,
         )  # fmt: skip
         results.append(result)
-    logps = torch.cat([r[0] for r in results])
-    entropies = torch.cat([r[1] for r in results]) if compute_entropy else None
-    aux = torch.stack([r[2] for r in results]).mean() if compute_aux_loss else None
-    return logps, entropies, aux
+    return _joined(results, compute_entropy, compute_aux_loss)

@@ -51,7 +51,7 @@ from .dynamic_sampling import DynamicSampler, DynamicSamplingState
 from .engine.adapters_off import AdaptersOff, is_fresh_lora, layers_to_switch
 from .engine.compiled_layers import CompiledLayers
 from .engine.vision_attention import pack_vision_attention
-from .families import core_model
+from .families import core_model, find_family
 from .files import CheckpointModesCallback
 from .generation_route import fast_generate, make_generator
 from .hooks import enable_requires_grad_hooks
@@ -246,7 +246,7 @@ class VLMGRPOTrainer(GRPOTrainer):
             return prompt_ids, media, fields
         if self.environment_factories is not None:  # each row renders its own environment's tools
             return super()._tokenize_prompts(prompts)
-        return tokenize_distinct(super()._tokenize_prompts, prompts)
+        return tokenize_distinct(super()._tokenize_prompts, prompts, find_family(self.model))
 
     def _generate(self, prompts: list):
         # Unpacked by name, so a change in TRL's return fails here rather than patching the wrong element.

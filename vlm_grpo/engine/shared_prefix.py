@@ -29,7 +29,10 @@ Positions, per family (transformers 5, read from the modeling code):
   RoPE cannot tell from 0-based numbering (a constant shift). The mask arrives as a dict
   `{"full_attention", "sliding_attention"}` (the model builds both itself otherwise): sliding layers also limit
   `query_pos - key_pos < sliding_window`, measured in unpacked positions.
-- Idefics3 (Llama text model): 1-D positions, same as Gemma3; a 4-D mask is used as-is.
+- Idefics3 / SmolVLM, LLaVA-OneVision, InternVL, Mistral 3: 1-D positions as Gemma3; a 4-D mask is used as-is. GLM-4.1V
+  / 4.6V: 3-D positions from `get_rope_index`, as Qwen's.
+- PaliGemma (prefix-LM): the whole prompt is shared and attends bidirectionally; each segment sees its copy of `p`,
+  never the shared one (`hidden`). PaliGemma 2 builds its sliding-window masks from the one mask: rows within the window.
 
 Attention: the mask is built in the format the model's attention implementation expects (boolean for `sdpa`,
 additive float for `eager`); FlashAttention cannot take a 4-D mask, so those models fall back to TRL's path.
@@ -44,6 +47,7 @@ import torch
 
 from ..families import core_model, family_of, find_family, model_types
 from ..media.batch_layout import ImageLayout, LayoutUnknown, group_rows
+from ..media.forward_inputs import images_per_row_input
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "SharedPrefixUnsupported", "shared_prefix_logps", "unsupported_reason"]
 
@@ -52,7 +56,7 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = model_types(lambda family: family.share
 _MASK_ATTENTION = ("sdpa", "eager")
 _HANDLED_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "token_type_ids",
                    "mm_token_type_ids", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
-                   "num_videos")  # fmt: skip
+                   "num_videos", "image_sizes", "num_tiles")  # fmt: skip
 
 
 class SharedPrefixUnsupported(Exception):
@@ -77,9 +81,7 @@ def unsupported_reason(model: torch.nn.Module, compute_aux_loss: bool = False, *
     layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
     if not layer_types <= {"full_attention", "sliding_attention"}:
         return f"layer types {sorted(layer_types)} are not handled"
-    if layer_types != {"full_attention"} and not family.dict_mask:
-        return f"{config.model_type} with sliding-window layers is not handled"
-    if getattr(text_config, "use_bidirectional_attention", False):
+    if getattr(text_config, "use_bidirectional_attention", False) and not family.prefix_lm:  # PaliGemma's: our mask
         return "bidirectional text attention is not handled"
     peft_config = getattr(model, "active_peft_config", None)
     if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
@@ -115,7 +117,7 @@ class _Group:
 
 def _find_groups(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, model_inputs: dict[str, Any],
-    images: ImageLayout | None, image_token_ids: set[int],
+    images: ImageLayout | None, image_token_ids: set[int], prefix_lm: bool = False,
 ) -> list[_Group]:  # fmt: skip
     """Group the rows whose unpadded prompt tokens and images are identical (anywhere in the batch)."""
     batch, length = input_ids.shape
@@ -124,6 +126,8 @@ def _find_groups(
     mask = attention_mask.tolist()
     type_ids = None
     for name in ("token_type_ids", "mm_token_type_ids"):
+        if name == "token_type_ids" and prefix_lm:  # PaliGemma's mark the prompt (0) and completion (1), not images
+            continue
         if model_inputs.get(name) is not None:
             type_ids = model_inputs[name].tolist()
             if any(any(row[prompt_len:]) for row in type_ids):
@@ -161,7 +165,7 @@ def _chunks(groups: list[_Group], batch_size: int | None) -> list[list[_Group]]:
     return chunks
 
 
-def _pack(chunk: list[_Group], length: int, logits_to_keep: int) -> dict[str, torch.Tensor]:
+def _pack(chunk: list[_Group], length: int, logits_to_keep: int, prefix_lm: bool = False) -> dict[str, torch.Tensor]:
     """CPU index tensors describing the packed rows of one forward.
 
     Per packed token: `source` (flat index into the batch's input_ids), `segment` (-1 padding, 0 shared prompt,
@@ -170,6 +174,9 @@ def _pack(chunk: list[_Group], length: int, logits_to_keep: int) -> dict[str, to
     `prompt_col` (the prompt column whose rotary position a prompt token takes) and `label_source` (flat index of
     the next token it predicts, -1 for none). Per labelled token in packed order: `label_position` (flat index into
     the packed rows) and `output` (flat index into the `[B, logits_to_keep]` result).
+
+    A prefix-LM (`prefix_lm`: PaliGemma, its prompt bidirectional) keeps the whole prompt shared, as its tokens attend
+    to `p` too; that `p` is marked `hidden` (the segments see their own copy of it instead).
     """
     prompt_len = length - logits_to_keep
     rows, outputs = [], []
@@ -178,13 +185,15 @@ def _pack(chunk: list[_Group], length: int, logits_to_keep: int) -> dict[str, to
         cols = g.prompt_cols
         n_prompt = len(cols)
         segments = [(r, g.completion_cols[r]) for r in g.rows if g.completion_cols[r]]
-        shared = cols if not segments else cols[:-1]  # with no completion to score, the whole prompt
+        # With no completion to score, or for a prefix-LM, the whole prompt.
+        shared = cols if not segments or prefix_lm else cols[:-1]
         source = [ref * length + c for c in shared]
         segment = [0] * len(shared)
         position = list(range(len(shared)))
         offset = [-1] * len(shared)
         prompt_col = list(shared)
         label = [-1] * len(shared)
+        hidden = [0] * (len(shared) - 1) + [int(prefix_lm and bool(segments))]
         for k, (r, comp) in enumerate(segments, start=1):
             n = len(comp)
             source += [ref * length + cols[-1]] + [r * length + c for c in comp[:-1]]
@@ -193,12 +202,15 @@ def _pack(chunk: list[_Group], length: int, logits_to_keep: int) -> dict[str, to
             offset += [-1] + list(range(n - 1))
             prompt_col += [cols[-1]] + [0] * (n - 1)
             label += [r * length + c for c in comp]
+            hidden += [0] * n
             outputs += [r * logits_to_keep + (c - prompt_len) for c in comp]
-        rows.append((source, segment, position, offset, prompt_col, label))
+        rows.append((source, segment, position, offset, prompt_col, label, hidden))
     width = max(len(r[0]) for r in rows)
-    fill = (rows[0][0][0], -1, 0, -1, 0, -1)  # padding copies the first token (a text token), attends to itself
+    # Padding copies the first group's last prompt token (never an image token: `_find_groups`), attends to itself.
+    first = chunk[0]
+    fill = (first.rows[0] * length + first.prompt_cols[-1], -1, 0, -1, 0, -1, 0)
     table = torch.tensor([[col + [f] * (width - len(col)) for col, f in zip(r, fill)] for r in rows], dtype=torch.long)
-    names = ("source", "segment", "position", "completion_offset", "prompt_col", "label_source")
+    names = ("source", "segment", "position", "completion_offset", "prompt_col", "label_source", "hidden")
     packed = {name: table[:, i] for i, name in enumerate(names)}
     packed["label_position"] = (packed["label_source"] >= 0).reshape(-1).nonzero().squeeze(1)
     packed["output"] = torch.tensor(outputs, dtype=torch.long)
@@ -214,13 +226,17 @@ def _block_ids(token_type_ids: torch.Tensor) -> torch.Tensor:
 
 def _attention_masks(
     segment: torch.Tensor, position: torch.Tensor, blocks: torch.Tensor | None, layer_types: set[str],
-    sliding_window: int | None,
+    sliding_window: int | None, hidden: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
-    """Boolean (rows, 1, T, T) masks, True where a query may attend a key, per layer type."""
+    """Boolean (rows, 1, T, T) masks, True where a query may attend a key, per layer type. With `hidden` (a prefix-LM's
+    packing), the shared prompt attends bidirectionally within itself, and its last token only to the prompt."""
     q_seg, k_seg = segment[:, :, None], segment[:, None, :]
     visible = (k_seg == 0) | (k_seg == q_seg)  # the shared prompt, or the query's own segment
     q_pos, k_pos = position[:, :, None], position[:, None, :]
     order = k_pos <= q_pos
+    if hidden is not None:  # the segments see their copy of the prompt's last token, the prompt the original
+        visible = visible & ~((hidden[:, None, :] == 1) & (q_seg != 0))
+        order = order | ((q_seg == 0) & (k_seg == 0))
     if blocks is not None:  # Gemma3: image tokens see their whole image
         order = order | ((blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0))
     allowed = visible & order & (k_seg >= 0)
@@ -274,37 +290,56 @@ def shared_prefix_logps(
     except LayoutUnknown as error:
         raise SharedPrefixUnsupported(str(error)) from error
     groups = _find_groups(
-        input_ids, attention_mask, logits_to_keep, model_inputs, images, family.image_token_ids(config)
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        model_inputs,
+        images,
+        family.image_token_ids(config),
+        family.prefix_lm,
     )
     layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
+    window = getattr(text_config, "sliding_window", None)
+    if layer_types != {"full_attention"} and not family.dict_mask and not (window and length <= window):
+        # One mask for every layer: exact only while no row is longer than the window (as the plain path sees it).
+        raise SharedPrefixUnsupported(
+            f"{config.model_type} builds its sliding-window masks from one mask, and rows of {length} tokens exceed "
+            f"its sliding window ({window})"
+        )
     attn = getattr(text_config, "_attn_implementation", None) or config._attn_implementation
     prompt_len = length - logits_to_keep
 
     flat_ids = input_ids.reshape(-1)
     logps, entropies, outputs, anchors = [], [], [], []
     for chunk in _chunks(groups, batch_size):
-        packed = {k: v.to(input_ids.device, non_blocking=True) for k, v in _pack(chunk, length, logits_to_keep).items()}
+        packed = _pack(chunk, length, logits_to_keep, family.prefix_lm)
+        packed = {k: v.to(input_ids.device, non_blocking=True) for k, v in packed.items()}
         refs = [g.rows[0] for g in chunk]
         # One copy of each group's images and clips (its first row's); a forward without any gets no (empty) vision
         # tensors.
         with_images = images is not None and any(images_per_row[r] or videos_per_row[r] for r in refs)
         inputs = images.vision_inputs(model_inputs, refs) if with_images else {}
+        if with_images:  # LLaVA-OneVision's image counts of this forward's rows
+            inputs.update(images_per_row_input(family, [images_per_row[r] for r in refs], input_ids.device))
         for name in ("token_type_ids", "mm_token_type_ids"):
+            if name == "token_type_ids" and family.prefix_lm:  # the 4-D mask says what they would
+                continue
             if model_inputs.get(name) is not None:
                 inputs[name] = model_inputs[name].reshape(-1)[packed["source"]]
         position_ids = _position_ids(core, packed, inputs, input_ids, attention_mask, prompt_len, refs, model_inputs)
         bidirectional = family.bidirectional_image_attention and family.token_type_key in inputs
         blocks = _block_ids(inputs[family.token_type_key]) if bidirectional else None
         masks = _attention_masks(
-            packed["segment"], packed["position"], blocks, layer_types, getattr(text_config, "sliding_window", None)
-        )
+            packed["segment"], packed["position"], blocks, layer_types, window,
+            packed["hidden"] if family.prefix_lm else None,
+        )  # fmt: skip
         if attn == "eager":  # eager attention adds the mask to the scores
             dtype = core.get_input_embeddings().weight.dtype
             masks = {k: torch.where(m, 0.0, torch.finfo(dtype).min).to(dtype) for k, m in masks.items()}
         labels = torch.where(packed["label_source"] >= 0, flat_ids[packed["label_source"].clamp(min=0)], -100)
         out = model(
             input_ids=flat_ids[packed["source"]],
-            attention_mask=masks if layer_types != {"full_attention"} else masks["full_attention"],
+            attention_mask=masks if family.dict_mask and layer_types != {"full_attention"} else masks["full_attention"],
             position_ids=position_ids,
             shift_labels=labels,
             fused_lm_head=True,

@@ -6,7 +6,11 @@ packs each group into one row. Both ask the same two questions of a batch, answe
 1. **Where does a row's image data live?** Each family's processor lays its vision tensors out its own way:
    - Qwen2/2.5/3-VL: flattened patches, `pixel_values [patches, dim]`, with `image_grid_thw [images, 3]`
      (`grid.prod()` patches per image);
-   - Gemma 3: one entry per image, `pixel_values [images, C, H, W]` (LLaVA-style `image_sizes [images, 2]` alike);
+   - Gemma 3: one entry per image, `pixel_values [images, C, H, W]` (LLaVA-style `image_sizes [images, 2]` alike:
+     Mistral 3's Pixtral pads every image to the batch's largest; InternVL's tiles when an image is one tile);
+   - InternVL with tiled images: `pixel_values [tiles, C, H, W]`, each row's tiles given by TRL's `num_tiles`;
+   - LLaVA-OneVision: one entry per image, `pixel_values [images, views, C, H, W]` (a base view and its tiles, padded
+     to the batch's most views) with `image_sizes [images, 2]`;
    - Idefics3 / SmolVLM: one entry per row, `pixel_values [rows, max images, C, H, W]` with `pixel_attention_mask`.
    Clips (Qwen-VL) lie alike: `pixel_values_videos [patches, dim]` with `video_grid_thw [clips, 3]` and, for
    Qwen2.5-VL, `second_per_grid_ts [clips]`.
@@ -29,6 +33,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "PER_IMAGE_KEYS",
     "VIDEO_KEYS",
     "ImageLayout",
     "LayoutUnknown",
@@ -40,7 +45,7 @@ __all__ = [
 ]
 
 # Processor outputs with one entry per image (Qwen's image_grid_thw, Gemma 3's pixel_values, LLaVA's image_sizes).
-_PER_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "spatial_shapes")
+PER_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "spatial_shapes")
 # Processor outputs for clips (Qwen-VL): patches, one grid per clip, and Qwen2.5-VL's seconds per temporal step.
 VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
@@ -116,6 +121,16 @@ class ImageLayout:
         image_ranges = [(image_starts[r], image_starts[r + 1]) for r in range(rows)]
         counts = [(n,) for n in images_per_row]
         grid = fields.get("image_grid_thw")
+        tiles = fields.get("num_tiles")
+        if tiles is not None and grid is None and fields.get("spatial_shapes") is None:
+            # InternVL's tiled images, pixel_values [tiles, C, H, W]: each row's tiles as TRL counts them (`num_tiles`).
+            tiles = [int(t) for t in tiles]
+            if len(tiles) != rows or pixel_values.size(0) != sum(tiles):
+                raise LayoutUnknown(f"{len(tiles)} tile counts ({sum(tiles)} tiles) for {rows} rows of "
+                                    f"{pixel_values.size(0)} pixel_values entries")  # fmt: skip
+            tile_starts = _starts(tiles)
+            tile_ranges = [(tile_starts[r], tile_starts[r + 1]) for r in range(rows)]
+            return cls(tile_ranges, image_ranges, [(n, t) for n, t in zip(images_per_row, tiles)])
         if grid is not None:  # Qwen: grid.prod() patch rows per image
             if fields.get("pixel_attention_mask") is not None:
                 raise LayoutUnknown("pixel_attention_mask with image_grid_thw is not a known layout")
@@ -123,6 +138,10 @@ class ImageLayout:
             patch_starts = _starts([t * h * w for t, h, w in grids])
             pixel_ranges = [(patch_starts[a], patch_starts[b]) for a, b in image_ranges]
             return cls(pixel_ranges, image_ranges, [tuple(grids[a:b]) for a, b in image_ranges])
+        if pixel_values.dim() == 5 and fields.get("image_sizes") is not None:  # LLaVA-OneVision: an entry per image
+            if pixel_values.size(0) != image_starts[-1]:  # (its base view and tiles, padded to the batch's most)
+                raise LayoutUnknown(f"5-D pixel_values of {pixel_values.size(0)} entries for {image_starts[-1]} images")
+            return cls(image_ranges, image_ranges, counts)
         if pixel_values.dim() == 5:  # Idefics3: one entry per row, padded with all-zero images
             if pixel_values.size(0) != rows:
                 raise LayoutUnknown(f"5-D pixel_values of {pixel_values.size(0)} entries for {rows} rows")
@@ -137,6 +156,8 @@ class ImageLayout:
         tensors = [(fields.get("pixel_values"), self.pixel_ranges)]
         if fields.get("pixel_attention_mask") is not None:
             tensors.append((fields["pixel_attention_mask"], self.pixel_ranges))
+        if fields.get("image_sizes") is not None:  # Pixtral / LLaVA pad pixels to the batch's largest image
+            tensors.append((fields["image_sizes"], self.image_ranges))
         if self.video_pixel_ranges is not None:
             tensors.append((fields["pixel_values_videos"], self.video_pixel_ranges))
         tensors = [(torch.as_tensor(t), ranges) for t, ranges in tensors if t is not None]
@@ -237,12 +258,12 @@ def select_rows(
     out = layout.vision_inputs(fields, rows) if layout is not None else {}
     for key, value in fields.items():
         if key in out or (
-            layout is not None and layout.video_ranges is not None and key in (*VIDEO_KEYS, *_PER_IMAGE_KEYS)
+            layout is not None and layout.video_ranges is not None and key in (*VIDEO_KEYS, *PER_IMAGE_KEYS)
         ):
             continue
         if not isinstance(value, torch.Tensor):
             out[key] = [value[row] for row in rows]  # per-row (per-token) lists
-        elif key in _PER_IMAGE_KEYS and value.shape[0] == n_images:  # a batch without images: empty tensors
+        elif key in PER_IMAGE_KEYS and value.shape[0] == n_images:  # a batch without images: empty tensors
             out[key] = value[:0]
         elif value.shape[0] == n_rows:
             out[key] = value[list(rows)]

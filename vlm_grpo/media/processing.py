@@ -16,14 +16,16 @@ from typing import Any
 import torch
 
 from ..families import find_family, model_types
-from .batch_layout import VIDEO_KEYS, LayoutUnknown, distinct_prompts, select_rows
+from .batch_layout import PER_IMAGE_KEYS, VIDEO_KEYS, LayoutUnknown, distinct_prompts, select_rows
 from .clips import Clip
+from .forward_inputs import drop_outputs, prompt_fields
 
 __all__ = [
     "ROW_VISION_KEYS",
     "VISION_ROWS",
     "check_video_support",
     "holds_clips",
+    "merge_fields",
     "process_prompts",
     "prompt_media",
     "refuse_clip_settings",
@@ -108,11 +110,14 @@ def process_prompts(
 def check_video_support(processor: Any, model: Any = None) -> None:
     """Raise ValueError, naming the families that take clips, when `model`'s family or `processor` takes none."""
     family = find_family(model) if model is not None else None
-    if (family is not None and not family.supports_video) or getattr(processor, "video_processor", None) is None:
+    video = getattr(processor, "video_processor", None)
+    # Clips are served where the video budget has a rule (Qwen-VL).
+    if (family is not None and family.video_budget is None) or video is None:
         which = f"{family.model_type} models" if family is not None else type(processor).__name__
         raise ValueError(
-            f"The rows have clips (a `video` / `videos` column or `<video>` placeholders), but {which} take no video. "
-            f"Use a family that does ({', '.join(model_types(lambda f: f.supports_video))}), or drop the clips."
+            f"The rows have clips (a `video` / `videos` column or `<video>` placeholders), but {which} take no video "
+            f"here. Use a family that does ({', '.join(model_types(lambda f: f.video_budget is not None))}), or drop "
+            "the clips."
         )
 
 
@@ -133,22 +138,71 @@ def refuse_clip_settings(args: Any, kwargs: dict[str, Any]) -> None:
         )
 
 
-def tokenize_distinct(tokenize: Any, prompts: Sequence[Any]) -> tuple[list[list[int]], Any, dict[str, Any]]:
+def tokenize_distinct(
+    tokenize: Any, prompts: Sequence[Any], family: Any = None
+) -> tuple[list[list[int]], Any, dict[str, Any]]:
     """TRL's `_tokenize_prompts` (`tokenize`) run once per distinct prompt of `prompts` and its outputs repeated for
     each row: the same ids and tensors as running it on every row, which TRL does (every prompt repeated
-    `num_generations` times), with the tokenizer and the image processor on the CPU."""
+    `num_generations` times), with the tokenizer and the image processor on the CPU.
+
+    `family` (the model's record, None for an unrecorded model) says what its processor cannot do: a family whose
+    processor cannot take prompts of different lengths in one call (`Family.batched_prompts`) has them processed one by
+    one, and the outputs are made what the rest of the package takes (`forward_inputs.prompt_fields`). A vision layout the row slicing does not
+    know (e.g. InternVL's tiles) has every row processed, as TRL does.
+    """
     distinct = distinct_prompts(prompts)
     if distinct is None or len(distinct[0]) == len(prompts):
-        return tokenize(prompts)
+        return _tokenize(tokenize, list(prompts), family)
     unique, inverse = distinct
-    prompt_ids, images, fields = tokenize([prompts[row] for row in unique])
+    prompt_ids, images, fields = _tokenize(tokenize, [prompts[row] for row in unique], family)
     images_per_row = [len(row or []) for row in images] if images is not None else [0] * len(unique)
     try:
         fields = select_rows(fields, images_per_row, inverse)
     except LayoutUnknown:  # a layout this module cannot repeat per row: every row processed, as TRL does
-        return tokenize(prompts)
+        return _tokenize(tokenize, list(prompts), family)
     images = [images[i] for i in inverse] if images is not None else None
     return [prompt_ids[i] for i in inverse], images, fields
+
+
+def _tokenize(tokenize: Any, prompts: list[Any], family: Any) -> tuple[list[list[int]], Any, dict[str, Any]]:
+    """`tokenize(prompts)`, one prompt at a time where the family's processor cannot batch them, its outputs that no
+    forward takes dropped."""
+    if family is None or family.batched_prompts or len(prompts) < 2:
+        prompt_ids, images, fields = tokenize(prompts)
+        return _id_lists(prompt_ids), images, prompt_fields(fields, family, images)
+    results = [tokenize([prompt]) for prompt in prompts]
+    prompt_ids = _id_lists([ids for result in results for ids in result[0]])
+    per_row = [result[1][0] if result[1] is not None else None for result in results]
+    images = per_row if any(row is not None for row in per_row) else None
+    fields = merge_fields([drop_outputs(result[2], family) for result in results])
+    return prompt_ids, images, prompt_fields(fields, family, images)
+
+
+def _id_lists(prompt_ids: Any) -> list[list[int]]:
+    """Token ids as lists (Pixtral's processor returns a tensor even unasked)."""
+    return [ids.tolist() if isinstance(ids, torch.Tensor) else ids for ids in prompt_ids]
+
+
+def merge_fields(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The processor outputs of several calls as one call's: per-token lists joined row by row, tensors concatenated
+    along dim 0, their other dims zero-padded at the end to the largest (as a batched call pads Pixtral's images and
+    LLaVA-OneVision's views). Tensors with one entry per row must then come from every call."""
+    keys = list(dict.fromkeys(key for part in parts for key in part))
+    merged: dict[str, Any] = {}
+    for key in keys:
+        values = [part[key] for part in parts if key in part]
+        if not isinstance(values[0], torch.Tensor):
+            merged[key] = [row for value in values for row in value]
+            continue
+        if len(values) != len(parts) and key not in PER_IMAGE_KEYS:
+            raise LayoutUnknown(f"{key!r} came from {len(values)} of {len(parts)} processor calls")
+        shape = [max(v.shape[d] for v in values) for d in range(values[0].dim())]
+        padded = []
+        for value in values:
+            pad = [p for d in reversed(range(1, value.dim())) for p in (0, shape[d] - value.shape[d])]
+            padded.append(torch.nn.functional.pad(value, pad) if any(pad) else value)
+        merged[key] = torch.cat(padded)
+    return merged
 
 
 def tokenize_clip_prompts(

@@ -16,15 +16,14 @@ from types import ModuleType
 import torch
 
 from ..families import model_types
-from . import gemma3, idefics3, lfm2_vl, qwen
+from . import gemma3, glm4v, idefics3, internvl, lfm2_vl, llava_onevision, mistral3, paligemma, qwen, smolvlm
 from .tokenizer import build_tokenizer
 
 __all__ = ["TINY_FAMILIES", "build_tiny_vlm"]
 
 # The module building each family's parts, for every family marked `tiny` in `vlm_grpo.families`.
-_BUILDERS: dict[str, ModuleType] = {
-    name: module for module in (qwen, gemma3, idefics3, lfm2_vl) for name in module.IMAGE_SIZES
-}
+_MODULES = (qwen, gemma3, idefics3, llava_onevision, paligemma, glm4v, internvl, smolvlm, mistral3, lfm2_vl)
+_BUILDERS: dict[str, ModuleType] = {name: module for module in _MODULES for name in module.IMAGE_SIZES}
 TINY_FAMILIES: tuple[str, ...] = model_types(lambda f: f.tiny)
 
 
