@@ -30,6 +30,13 @@ def test_quickstart_runs_as_pasted(tmp_path, monkeypatch, capsys):
     assert not [w for w in caught if "pin_memory" in str(w.message)]
     output = capsys.readouterr()
     assert "{'train_runtime'" not in output.out + output.err and "{'loss'" not in output.out + output.err
+    # Its result printed; transformers' loading and writing bars off (the training bar is the one bar).
+    assert re.search(r"held-out accuracy: \d\.\d\d before, \d\.\d\d after 5 steps", output.out)
+    assert "Loading weights" not in output.err and "Writing model shards" not in output.err
+    # The model card names the local base model, not TRL's "[None](https://huggingface.co/None)".
+    card = (tmp_path / "runs" / "quickstart" / "README.md").read_text()
+    assert "fine-tuned version of `runs/quickstart/tiny-base` (a local model)" in card and "None" not in card
+    assert 'pipeline("image-text-to-text", model="runs/quickstart"' in card
     # The tiny model is written where the quickstart says, not left in a private temporary directory.
     weights = tmp_path / "runs" / "quickstart" / "tiny-base" / "model.safetensors"
     umask = os.umask(0)

@@ -42,8 +42,15 @@ def test_gpu_kernel_advice_is_dropped_without_a_gpu_and_kept_with_one(caplog, mo
     for gpu, expected in ((False, 0), (True, 1)):  # this machine's answer replaced by each of the two
         monkeypatch.setattr(torch.cuda, "is_available", lambda gpu=gpu: gpu)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="transformers.integrations.hub_kernels"):
-            logger.warning(message)
-            logger.warning("another transformers kernel warning")
+        # transformers' root logger does not propagate once transformers configured it: caplog listens on the logger.
+        logger.addHandler(caplog.handler)
+        propagate, logger.propagate = logger.propagate, False  # one record each, whatever the order tests ran in
+        try:
+            with caplog.at_level(logging.WARNING, logger="transformers.integrations.hub_kernels"):
+                logger.warning(message)
+                logger.warning("another transformers kernel warning")
+        finally:
+            logger.removeHandler(caplog.handler)
+            logger.propagate = propagate
         assert [r.getMessage() for r in caplog.records].count(message) == expected
         assert "another transformers kernel warning" in caplog.text

@@ -16,17 +16,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import logging
 import math
 import os
-import warnings
-from collections.abc import Iterator
 from typing import Any
 
 from transformers import ProgressCallback, TrainerCallback
+
+from .third_party_logs import library_bars_off  # re-exported: its home is with the other third-party output
 
 logger = logging.getLogger(__name__)
 
@@ -42,25 +41,6 @@ __all__ = [
     "plot_reward_curve",
     "reward_summary",
 ]
-
-
-@contextlib.contextmanager
-def library_bars_off() -> Iterator[None]:
-    """transformers' progress bars (and huggingface_hub's, which transformers switches with its own) off inside the
-    block, back as they were after it."""
-    from transformers.utils import logging as transformers_logging
-
-    was_on = transformers_logging.is_progress_bar_enabled()
-    with warnings.catch_warnings():  # huggingface_hub warns when HF_HUB_DISABLE_PROGRESS_BARS already decides
-        warnings.simplefilter("ignore")
-        transformers_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_on:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                transformers_logging.enable_progress_bar()
 
 
 def in_notebook() -> bool:

@@ -72,7 +72,7 @@ MAIN_OPTIONS: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("beta", "B", "KL coefficient against the starting model"),
         ("logging_steps", "N", "steps between records in metrics.jsonl"),
         ("save_strategy", "no|steps", "checkpoints during training, every --save_steps"),
-        ("resume_from_checkpoint", "DIR", "go on from output_dir/checkpoint-N"),
+        ("resume_from_checkpoint", "[DIR]", "go on from the newest checkpoint in --output_dir (or from DIR)"),
         ("report_to", "none|wandb|trackio", "experiment tracking"),
         ("config", "YAML", "any flag from a YAML file (flags on the command line win)"),
     ),
@@ -283,6 +283,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, Any]:
         parser.set_defaults(use_cpu=True)
     argv = _with_negative_values(parser, list(sys.argv[1:] if argv is None else argv))
     _refuse_unknown_flags(parser, argv)
+    _refuse_bad_config_file(parser, argv)
     try:
         script, config = parser.parse_args_and_config(args=argv)
     except ValueError as error:  # a config's __post_init__ check (e.g. batch size vs num_generations)
@@ -320,3 +321,36 @@ def _refuse_unknown_flags(parser: Any, argv: list[str]) -> None:
         near = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
         hint = f"; did you mean {near[0]}?" if near else f" (see {PROG} --help, or --help-all for every flag)"
         raise UsageError(f"unknown flag {flag}{hint}")
+
+
+def _refuse_bad_config_file(parser: Any, argv: list[str]) -> None:
+    """The `--config` YAML checked as flags are: a missing or unparsable file, or a key that is no flag, named with
+    the file, the key and the closest real one (TrlParser's own message names neither the file nor a fix)."""
+    import yaml
+
+    path = next((argv[i + 1] for i, t in enumerate(argv[:-1]) if t == "--config"), None)
+    path = path or next((t.split("=", 1)[1] for t in argv if t.startswith("--config=")), None)
+    if path is None:
+        return
+    try:
+        with open(path, encoding="utf-8") as file:
+            recipe = yaml.safe_load(file)
+    except OSError as error:
+        raise UsageError(f"--config {path}: cannot read it ({error.strerror or error})") from error
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise UsageError(
+            f"--config {path}{where}: not valid YAML ({getattr(error, 'problem', None) or error})"
+        ) from error
+    if recipe is None:
+        return
+    if not isinstance(recipe, dict):
+        raise UsageError(f"--config {path}: expected `flag: value` lines, found a {type(recipe).__name__}")
+    known = {option[2:] for option in parser._option_string_actions if option.startswith("--")}
+    for key in recipe:
+        if key == "env" or str(key) in known:  # `env:` sets environment variables (TrlParser)
+            continue
+        near = difflib.get_close_matches(str(key), known, n=1, cutoff=0.75)
+        hint = f"; did you mean {near[0]}?" if near else f" (keys are flag names without --: {PROG} --help-all)"
+        raise UsageError(f"--config {path}: unknown key {key!r}{hint}")

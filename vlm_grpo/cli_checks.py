@@ -76,6 +76,36 @@ def check_args(script: ScriptArguments, config: Any) -> None:
         raise UsageError(
             f"--reward_weights has {len(config.reward_weights)} value(s) for {max(len(funcs), 1)} reward function(s)."
         )
+    if not script.model.startswith(TINY_PREFIX) and not os.path.exists(os.path.expanduser(script.model)):
+        check_hub_model(script.model)
+
+
+def check_hub_model(model: str) -> None:
+    """A Hub model id that is cached, or reachable on the Hub, passes; otherwise one `UsageError` naming the model,
+    the reason and the way forward, before anything is written (transformers would retry five times, print a
+    76-line traceback and leave an empty output directory)."""
+    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if isinstance(try_to_load_from_cache(model, "config.json"), str):
+        return  # in the local cache: loads offline too
+    offline = " offline tiny model (--model tiny:qwen2_5_vl)"
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise UsageError(f"--model {model}: not in the local Hugging Face cache and HF_HUB_OFFLINE is set; download "
+                         f"it where there is internet (hf download {model}) or train the{offline}.")  # fmt: skip
+    try:
+        HfApi().model_info(model, timeout=10)
+    except GatedRepoError as error:
+        raise UsageError(f"--model {model}: a gated model; accept its terms on its Hub page and log in "
+                         "(hf auth login).") from error  # fmt: skip
+    except RepositoryNotFoundError as error:
+        raise UsageError(f"--model {model}: no such model on the Hugging Face Hub (a private one needs hf auth "
+                         "login); a local folder is named by its path (./my-model).") from error  # fmt: skip
+    except Exception as error:  # no network, DNS, proxy, timeout: each library names them differently
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise UsageError(f"--model {model}: cannot reach the Hugging Face Hub ({reason}) and it is not in the "
+                         f"local cache: download it where there is internet (hf download {model}; then HF_HUB_OFFLINE=1 "
+                         f"loads the cached copy without the Hub), or train the{offline}.") from error  # fmt: skip
 
 
 def resume_checkpoint(script: ScriptArguments, config: Any) -> str | None:

@@ -18,6 +18,7 @@ from torch import nn
 
 from .families import core_model
 from .files import follow_umask
+from .third_party_logs import library_bars_off
 
 __all__ = ["atomic_directory", "merged_state_dict", "write_checkpoint"]
 
@@ -145,7 +146,7 @@ def write_checkpoint(
         skeleton = type(base)._from_config(config, dtype=dtype)
     if getattr(base, "generation_config", None) is not None:
         skeleton.generation_config = copy.deepcopy(base.generation_config)
-    with atomic_directory(save_directory) as tmp:
+    with atomic_directory(save_directory) as tmp, library_bars_off():  # no "Writing model shards" bar
         skeleton.save_pretrained(tmp, state_dict=state_dict, max_shard_size="5GB")
         if processor is not None:
             processor.save_pretrained(tmp)

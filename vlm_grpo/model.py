@@ -11,6 +11,7 @@ Unsloth's `FastVisionModel` API shape, built on transformers + peft only:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from typing import Any
@@ -25,6 +26,7 @@ from .hooks import VISION_TOWER_NAMES
 from .lora_selection import LoraSelection, expert_parameters, select_lora_modules
 from .media.pixel_budget import check_pixel_budget, set_processor_pixel_budget
 from .media.processor import load_processor
+from .third_party_logs import library_bars_off
 from .validation import is_int
 
 __all__ = ["FastBaseVisionModel", "FastVisionModel", "LoraSelection", "check_quantization", "select_lora_modules"]
@@ -190,7 +192,9 @@ class FastBaseVisionModel:
         # The processor first: it is cheap, and a pixel budget it cannot keep is refused before GBs of weights load.
         processor = load_processor(model_name, config.model_type, trust_remote_code=trust_remote_code, **hub_kwargs)
         set_processor_pixel_budget(processor, min_pixels, max_pixels)
-        model = AutoModelForImageTextToText.from_pretrained(model_name, **load_kwargs)
+        # A local folder loads in moments: its "Loading weights" bar is noise. A Hub download keeps its bars.
+        with library_bars_off() if os.path.isdir(model_name) else contextlib.nullcontext():
+            model = AutoModelForImageTextToText.from_pretrained(model_name, **load_kwargs)
         if attn_implementation is None:
             _one_attention_implementation(model)
 

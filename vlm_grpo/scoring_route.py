@@ -52,7 +52,8 @@ def logps_by_path(
     """TRL's `(logps, entropies, aux_loss)` for `model` on the batch, by the shared-prefix path where it serves, else
     `trl_scoring` (TRL's own method), with a batch's clips (`trainer._vision_rows`) passed to the model, and the
     processor's outputs as the family's forward takes them (`vlm_grpo.media.forward_inputs`)."""
-    family = find_family(trainer.accelerator.unwrap_model(model))
+    unwrapped = trainer.accelerator.unwrap_model(model)  # DDP / FSDP wrappers off: the model's own config
+    family = find_family(unwrapped)
     model_inputs = scoring_inputs(family, model_inputs, logits_to_keep)
     rows = trainer._vision_rows
     if rows is not None:  # a batch with clips: its vision inputs (images too) come from the rows, not from TRL
@@ -63,12 +64,12 @@ def logps_by_path(
     if getattr(trainer.args, "shared_prefix", False):
         try:
             # Recurrent layers cannot be packed behind a shared prompt: theirs is continued from a cache.
-            shared = prefix_cache_logps if prefix_cache_serves(model) else shared_prefix_logps
+            shared = prefix_cache_logps if prefix_cache_serves(unwrapped) else shared_prefix_logps
             with trainer.accelerator.autocast():
                 logps, entropies = shared(
                     model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                     compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
-                    unwrapped_model=trainer.accelerator.unwrap_model(model), **model_inputs,
+                    unwrapped_model=unwrapped, **model_inputs,
                 )  # fmt: skip
             trainer.shared_prefix_calls += 1
             return logps, entropies, None

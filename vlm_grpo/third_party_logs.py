@@ -10,13 +10,19 @@ transformers says once per kernel that Qwen3.5's and LFM2's linear-attention and
 their reference PyTorch code because `flash-linear-attention` / `causal-conv1d` is not installed. Those kernels are
 GPU kernels: on a machine without a GPU there is nothing to install, and the four lines only alarm. They are dropped
 there and kept wherever a GPU is present, where installing them is the advice to follow.
+
+`library_bars_off` switches transformers' progress bars off for a block: loading from or writing to a local folder
+takes a moment and its "Loading weights" / "Writing model shards" bars told nobody anything.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import warnings
+from collections.abc import Iterator
 
-__all__ = ["install"]
+__all__ = ["install", "library_bars_off"]
 
 _BITSANDBYTES_CPU = "bitsandbytes.backends.cpu.ops"
 _HUB_KERNELS = "transformers.integrations.hub_kernels"
@@ -46,3 +52,22 @@ def install() -> None:
         logger = logging.getLogger(name)
         if keep not in logger.filters:
             logger.addFilter(keep)
+
+
+@contextlib.contextmanager
+def library_bars_off() -> Iterator[None]:
+    """transformers' progress bars (and huggingface_hub's, which transformers switches with its own) off inside the
+    block, back as they were after it."""
+    from transformers.utils import logging as transformers_logging
+
+    was_on = transformers_logging.is_progress_bar_enabled()
+    with warnings.catch_warnings():  # huggingface_hub warns when HF_HUB_DISABLE_PROGRESS_BARS already decides
+        warnings.simplefilter("ignore")
+        transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                transformers_logging.enable_progress_bar()

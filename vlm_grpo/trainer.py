@@ -57,6 +57,7 @@ from .generation_route import fast_generate, make_generator
 from .hooks import enable_requires_grad_hooks
 from .integrations.unsloth import maybe_patch_for_model
 from .media.processing import VISION_ROWS, holds_clips, tokenize_clip_prompts, tokenize_distinct
+from .model_card import complete_model_card
 from .modes import apply_configured_checkpointing, checkpointing_off, generating
 from .private_api import merged_generation_config
 from .rows import add_image_sizes, prepare_row, rows_for_rewards
@@ -189,6 +190,11 @@ class VLMGRPOTrainer(GRPOTrainer):
         self._save(output_dir or self.args.output_dir, state_dict=self.accelerator.get_state_dict(self.model))
         if self.args.push_to_hub:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags: Any = None):
+        """TRL's model card, with a local base model named rather than `[None]` (`vlm_grpo.model_card`)."""
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        complete_model_card(self)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         # transformers reloads a checkpoint's full weights with `load_state_dict` under the names they were saved with,

@@ -18,6 +18,8 @@ clip skips its row, `vlm_grpo.rows.drop_unreadable_rows`), and decoded only at t
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -181,8 +183,10 @@ def load_grpo_dataset(
     test = _checked_split(source, eval_split, name, media, bad_rows) if eval_split else None
     if test is None and test_size:
         size = test_size if 0 < test_size < 1 else int(test_size)
-        if not 0 < size < len(train):
-            raise DatasetError(f"--test_size {test_size} leaves no training rows ({len(train)} rows in {source}).")
+        held_out = math.ceil(size * len(train)) if isinstance(size, float) else size  # as `train_test_split` counts
+        if not 0 < held_out < len(train):
+            raise DatasetError(f"--test_size {test_size:g} holds out {held_out} of {len(train)} rows in {source}, "
+                               "leaving none to train on; hold out fewer (--test_size 0: none).")  # fmt: skip
         parts = train.train_test_split(test_size=size, seed=seed)
         train, test = parts["train"], parts["test"]
     train = to_grpo_rows(train, **columns)
@@ -211,4 +215,32 @@ def _checked_split(source: str, split: str, name: str | None, media: dict[str, A
     try:
         return drop_unreadable_rows(dataset, column, label, clip_column=clip_column, row_names=row_names, **bad_rows)[0]
     except (ImageError, VideoError) as error:
-        raise DatasetError(str(error)) from error
+        message = str(error)
+        hint = _relative_paths_hint(source, dataset, column) if "looks wrong as a whole" in message else ""
+        if "relative to the working directory" in hint:  # the hint names the cause: the first failure adds nothing
+            message = message.split(" First: ")[0]
+        raise DatasetError(message.rstrip(".") + "." + hint if hint else message) from error
+
+
+def _relative_paths_hint(source: str, dataset: Any, column: str | None) -> str:
+    """For a dataset file whose image paths mostly miss: where they are read from, and the fix when they were
+    written relative to the working directory instead (`shapes/img/0.jpg` in `shapes/data.csv`, not `img/0.jpg`)."""
+    from ..media.checks import undecoded
+
+    if column is None or not os.path.exists(source):
+        return ""
+    base = os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else os.path.abspath(source)
+    shown = os.path.relpath(base) if base != os.getcwd() else "."
+    hint = ""
+    for row in undecoded(dataset, column).select_columns([column]).select(range(min(len(dataset), 20))):
+        value = row[column]
+        for image in value if isinstance(value, list) else [value]:
+            path = image.get("path") if isinstance(image, dict) and image.get("bytes") is None else image
+            if not isinstance(path, str) or os.path.isfile(path):
+                continue
+            hint = f" Image paths are read relative to the dataset file's folder ({shown}/)"
+            written = os.path.relpath(path, base)  # the path as the file has it
+            if os.path.isfile(written):
+                return (f"{hint}: {written!r} is there relative to the working directory; write it relative to "
+                        f"{shown}/ as {os.path.relpath(os.path.abspath(written), base)!r}.")  # fmt: skip
+    return hint + "." if hint else ""

@@ -1,0 +1,102 @@
+"""Issue 40's newcomer messages, through the installed console script: each is one line that names the fix, with the
+exit status stated and nothing left behind (missing images, paths written relative to the wrong folder, a YAML key
+typo, a Hub model while offline, a held-out share that leaves nothing to train on), and nothing printed that is
+not needed (no bitsandbytes kernel line)."""
+
+import os
+import subprocess
+
+import pytest
+from test_cli import TINY_RUN, _console_script, _shapes_csv, vlm_grpo
+
+from vlm_grpo.cli import main
+
+
+def _our_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("vlm-grpo")]
+
+
+def _refused(proc: subprocess.CompletedProcess, message: str) -> None:
+    """Exit status 2, no traceback, and the last line of stderr the one `vlm-grpo: error:` line holding `message`."""
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    ours = _our_lines(proc)
+    assert len(ours) == 1 and proc.stderr.strip().endswith(ours[0]), proc.stderr[-2000:]
+    assert ours[0].startswith("vlm-grpo: error: ") and message in ours[0], ours[0]
+
+
+@pytest.mark.trains
+def test_missing_images_are_said_once_with_file_lines_and_the_flag_and_nothing_else_is_printed(tmp_path):
+    data = _shapes_csv(tmp_path / "shapes", rows=12)
+    for i in (1, 7):  # CSV lines 3 and 9 (line 1 is the header)
+        os.remove(tmp_path / "shapes" / "img" / f"{i}.jpg")
+    proc = vlm_grpo("--dataset", str(data), "--test_size", "0", "--output_dir", str(tmp_path / "run"), *TINY_RUN)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    skips = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if "skipped" in line]
+    assert len(skips) == 1, skips  # once: not again for the trainer's own check of the same rows
+    assert "skipped 2 of 12 rows" in skips[0] and "--no_skip_bad_rows to stop instead" in skips[0]
+    assert "line 3, image 0" in skips[0] and "line 9, image 0" in skips[0]
+    assert "skip_bad_rows=False" not in skips[0]  # the CLI flag, not the Python argument
+    assert "gemm_4bit" not in proc.stderr and "kernels-community" not in proc.stderr  # bitsandbytes' optional kernel
+
+
+def test_image_paths_written_relative_to_the_working_directory_are_named_with_the_fix(tmp_path):
+    data = _shapes_csv(tmp_path / "shapes", rows=6)
+    data.write_text(data.read_text().replace("img/", "shapes/img/"))  # relative to tmp_path, not to the CSV
+    proc = vlm_grpo("--dataset", "shapes/shapes.csv", "--output_dir", "run", cwd=tmp_path)
+    _refused(proc, "Image paths are read relative to the dataset file's folder (shapes/): 'shapes/img/0.jpg' is "
+                   "there relative to the working directory; write it relative to shapes/ as 'img/0.jpg'.")  # fmt: skip
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_yaml_key_typo_is_a_flag_error_naming_the_file_the_key_and_the_flag_meant(tmp_path):
+    (tmp_path / "recipe.yaml").write_text("max_steps: 1\nnum_generation: 8\noutput_dir: run\n")
+    proc = vlm_grpo("--config", "recipe.yaml", cwd=tmp_path)
+    _refused(proc, "--config recipe.yaml: unknown key 'num_generation'; did you mean num_generations?")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "recipe, message",
+    [
+        ("max_steps: 1\nqwerty_zzz: 8\noutput_dir: run\n", "unknown key 'qwerty_zzz' (keys are flag names without --"),
+        ("max_steps: [1\noutput_dir: run\n", "--config recipe.yaml line 2: not valid YAML"),
+        ("- max_steps\n- output_dir\n", "--config recipe.yaml: expected `flag: value` lines, found a list"),
+        ("", "--config nothere.yaml: cannot read it (No such file or directory)"),
+    ],
+)  # fmt: skip
+def test_other_yaml_mistakes_are_one_line_too(tmp_path, capsys, monkeypatch, recipe, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipe.yaml").write_text(recipe)
+    assert main(["--config", "recipe.yaml" if recipe else "nothere.yaml"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("vlm-grpo: error: ") and message in err and "\n" not in err, err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_a_hub_model_that_cannot_be_fetched_is_one_line_with_the_way_forward(tmp_path, offline):
+    exe, env = _console_script()
+    env = {**env, "HF_HOME": str(tmp_path / "hf-home")}  # an empty cache: the model is not there
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    else:  # online, the Hub unreachable: a port nothing listens on refuses at once
+        env.pop("HF_HUB_OFFLINE")
+        env["HF_ENDPOINT"] = "http://127.0.0.1:9"
+    proc = subprocess.run([exe, "--model", "Qwen/Qwen2.5-VL-3B-Instruct", "--output_dir", "run"], check=False,
+                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)  # fmt: skip
+    reason = "HF_HUB_OFFLINE is set" if offline else "cannot reach the Hugging Face Hub"
+    _refused(proc, f"--model Qwen/Qwen2.5-VL-3B-Instruct: {'not in the local Hugging Face cache and ' * offline}"
+                   f"{reason}")  # fmt: skip
+    for way_forward in ("hf download Qwen/Qwen2.5-VL-3B-Instruct", "--model tiny:qwen2_5_vl"):
+        assert way_forward in proc.stderr
+    assert offline or "HF_HUB_OFFLINE=1" in proc.stderr
+    assert "Retrying" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_held_out_share_that_leaves_nothing_to_train_on_is_refused_as_such(tmp_path):
+    _shapes_csv(tmp_path, rows=1)
+    proc = vlm_grpo("--dataset", "shapes.csv", "--output_dir", "run", cwd=tmp_path)
+    _refused(proc, "--test_size 0.1 holds out 1 of 1 rows in shapes.csv, leaving none to train on; hold out fewer")
+    assert not (tmp_path / "run").exists()
