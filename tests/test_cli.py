@@ -111,6 +111,11 @@ def test_help_fits_a_screen_and_help_all_lists_every_flag_with_its_default_once(
     flags = set(re.findall(r"^  (--[a-z_0-9-]+)", full, re.MULTILINE))
     assert {f"--{flag}" for options in MAIN_OPTIONS.values() for flag, _, _ in options} <= flags
     assert "--max_steps" in flags and "--max-steps" not in full
+    # Every synthetic task named in both (the short help's line and --help-all's).
+    from vlm_grpo.data import TASKS
+
+    task_help = [" ".join(t[t.index("--task") :].split("\n  --")[0].split()) for t in (text, full)]
+    assert all(task in help_text for task in TASKS for help_text in task_help), task_help
     no_vision = full[full.index("--no_finetune_vision_layers") :].split("\n  --")[0]
     assert "Turn off" in no_vision and "default" not in no_vision
     # No default stated twice: an option whose help says its default gets no "(default: ...)" after it.

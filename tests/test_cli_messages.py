@@ -100,3 +100,47 @@ def test_a_held_out_share_that_leaves_nothing_to_train_on_is_refused_as_such(tmp
     proc = vlm_grpo("--dataset", "shapes.csv", "--output_dir", "run", cwd=tmp_path)
     _refused(proc, "--test_size 0.1 holds out 1 of 1 rows in shapes.csv, leaving none to train on; hold out fewer")
     assert not (tmp_path / "run").exists()
+
+
+def _cached_on_the_hub(hf_home, repo: str, source) -> None:
+    """`source`'s files as the Hugging Face cache holds a download of `repo` (refs/main naming one snapshot)."""
+    import shutil
+
+    root = hf_home / "hub" / f"models--{repo.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text("0" * 40)
+    shutil.copytree(source, root / "snapshots" / ("0" * 40))
+
+
+@pytest.mark.trains
+def test_a_cached_hub_model_trains_at_once_when_the_hub_is_unreachable(tmp_path, tiny_dir):
+    # Without HF_HUB_OFFLINE, transformers retried every file for minutes (3m49s for a tiny model) before the cache.
+    exe, env = _console_script()
+    _cached_on_the_hub(tmp_path / "hf-home", "someone/tiny-vlm", tiny_dir("qwen2_5_vl"))
+    env = {**env, "HF_HOME": str(tmp_path / "hf-home"), "HF_ENDPOINT": "http://127.0.0.1:9"}
+    env.pop("HF_HUB_OFFLINE")
+    proc = subprocess.run([exe, "--model", "someone/tiny-vlm", "--output_dir", "run", *TINY_RUN], check=False,
+                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "someone/tiny-vlm: the Hugging Face Hub is unreachable; using the cached copy" in proc.stdout
+    assert "Retrying" not in proc.stderr and "thrown while requesting" not in proc.stderr
+    assert (tmp_path / "run" / "final").is_dir()
+
+
+def test_clips_for_a_family_that_takes_none_are_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    import json
+
+    from PIL import Image
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "clip").mkdir()
+    for frame in range(4):
+        Image.new("RGB", (56, 56), (60 * frame, 0, 0)).save(tmp_path / "clip" / f"{frame}.png")
+    rows = [{"problem": "<video> what colour?", "answer": "red", "video": "clip"}] * 6
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert main(["--model", "tiny:gemma3", "--dataset", "train.jsonl", "--output_dir", "run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("vlm-grpo: error: --dataset train.jsonl has clips and tiny:gemma3 (gemma3) takes no video")
+    assert "qwen2_5_vl" in err and "\n" not in err
+    assert not (tmp_path / "run").exists()

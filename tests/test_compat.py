@@ -138,3 +138,28 @@ def test_guard_leaves_a_plumbing_librarys_deprecation_raised_under_another_libra
         torch_api()  # called by us: ours
     found, deprecation_guard.found[:] = list(deprecation_guard.found), []
     assert found == [f"tests/test_compat.py:{line}: old_api is deprecated"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_training_a_bitsandbytes_model_on_a_cpu_is_refused_before_the_first_step(tiny_dir, tmp_path):
+    # bitsandbytes' CPU backend loads and generates, then fails inside its 4-bit matmul in the first backward.
+    pytest.importorskip("bitsandbytes")
+    from datasets import Dataset
+    from PIL import Image
+
+    from vlm_grpo.model import FastVisionModel, _bitsandbytes_runs_on_cpu
+    from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+
+    if not _bitsandbytes_runs_on_cpu():
+        pytest.skip("this bitsandbytes has no CPU backend (< 0.46): it cannot even load here")
+    model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"), load_in_4bit=True)
+    model = FastVisionModel.get_peft_model(model, r=4)
+    rows = [{"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}],
+             "images": [Image.new("RGB", (56, 56), "red")]}] * 2  # fmt: skip
+    args = VLMGRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, num_generations=2,
+                         max_completion_length=2, report_to="none", use_cpu=True)  # fmt: skip
+    trainer = VLMGRPOTrainer(model, [lambda completions, **kw: [0.0] * len(completions)], args=args,
+                             train_dataset=Dataset.from_list(rows), processing_class=processor)  # fmt: skip
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU: bitsandbytes' CPU backend fails in training"):
+        trainer.train()
+    assert trainer.state.global_step == 0

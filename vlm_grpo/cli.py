@@ -29,7 +29,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from .cli_args import PROG, TINY_PREFIX, ScriptArguments, UsageError, build_parser, parse_args, short_help
-from .cli_checks import check_args, resolve_rewards, resume_checkpoint
+from .cli_checks import check_args, check_clips_family, resolve_rewards, resume_checkpoint
 from .demo import DEMO
 
 if TYPE_CHECKING:
@@ -223,6 +223,8 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     check_args(script, config)
     resume = resume_checkpoint(script, config)
     task = build_task(script, config)
+    if script.dataset is not None:
+        check_clips_family(script, task.train)
     if script.dataset is not None and script.model.startswith(TINY_PREFIX):
         _note_if_unlearnable(task)
     _say_what_is_measured(script, task)

@@ -52,7 +52,7 @@ MAIN_OPTIONS: dict[str, tuple[tuple[str, str, str], ...]] = {
         (
             "task",
             "NAME",
-            "color, count, spatial, arithmetic, locate, position, color_change",
+            "color count spatial arithmetic locate position motion color_change",
         ),
         ("dataset", "SOURCE", "your data: Hub id, JSONL / CSV / Parquet file, image folder, save_to_disk dir"),
         ("prompt_column", "NAME", "your question column (also --image_column, --answer_column)"),
@@ -107,7 +107,8 @@ class ScriptArguments:
         default=DEMO.task,
         metadata={
             "help": "Synthetic task (without --dataset): color, count, spatial, arithmetic, locate, position, "
-            "or the video task motion (which way a shape moves; Qwen-VL models)."
+            "or a video task (Qwen-VL and Qwen3.5 models): motion (which way a shape moves), color_change (the "
+            "colour a shape turns)."
         },
     )
     difficulty: int = field(

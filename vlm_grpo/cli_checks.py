@@ -10,7 +10,7 @@ from typing import Any
 from .cli_args import AUTO, TINY_PREFIX, ScriptArguments, UsageError
 from .families import model_types
 
-__all__ = ["check_args", "resolve_rewards", "resume_checkpoint"]
+__all__ = ["check_args", "check_clips_family", "check_hub_model", "resolve_rewards", "resume_checkpoint"]
 
 
 def resolve_rewards(names: list[str] | None) -> list[Any]:
@@ -30,10 +30,33 @@ def _check_video_task(script: ScriptArguments) -> None:
 
     family = FAMILIES.get(script.model[len(TINY_PREFIX) :]) if script.model.startswith(TINY_PREFIX) else None
     spec = TASK_SPECS.get(script.task) if script.dataset is None else None
-    if spec is not None and spec.video and family is not None and not family.supports_video:
+    if spec is not None and spec.video and family is not None and not family.trains_on_clips:
         raise UsageError(
             f"--task {script.task} is a video task and {script.model} takes no video; use one of "
-            f"{', '.join(TINY_PREFIX + t for t in model_types(lambda f: f.supports_video and f.tiny))}."
+            f"{', '.join(TINY_PREFIX + t for t in model_types(lambda f: f.trains_on_clips and f.tiny))}."
+        )
+
+
+def check_clips_family(script: ScriptArguments, train: Any) -> None:
+    """A dataset with clips for a model whose family takes none, refused before the model loads (the trainer would
+    refuse it only after). The family comes from the tiny name or the model's config (cheap: no weights)."""
+    from .families import FAMILIES
+    from .media.processing import holds_clips
+
+    columns = set(getattr(train, "column_names", None) or [])
+    if not ({"video", "videos"} & columns or holds_clips(train[: min(len(train), 8)]["prompt"])):
+        return
+    if script.model.startswith(TINY_PREFIX):
+        model_type = script.model[len(TINY_PREFIX) :]
+    else:
+        from transformers import AutoConfig
+
+        model_type = AutoConfig.from_pretrained(script.model).model_type
+    family = FAMILIES.get(model_type)
+    if family is not None and not family.trains_on_clips:
+        raise UsageError(
+            f"--dataset {script.dataset} has clips and {script.model} ({model_type}) takes no video here; use a "
+            f"model of a family that does ({', '.join(model_types(lambda f: f.trains_on_clips))}), or drop the clips."
         )
 
 
@@ -69,6 +92,9 @@ def check_args(script: ScriptArguments, config: Any) -> None:
         check_quantization(script.load_in_4bit, script.load_in_8bit)
     except (ValueError, RuntimeError, ImportError) as error:
         raise UsageError(f"--load_in_{'4' if script.load_in_4bit else '8'}bit: {error}") from error
+    if (script.load_in_4bit or script.load_in_8bit) and config.use_cpu:
+        raise UsageError(f"--load_in_{'4' if script.load_in_4bit else '8'}bit trains on a CUDA GPU only (bitsandbytes' "
+                         "CPU backend fails in training); on this machine leave it out.")  # fmt: skip
     _check_training_values(config)
     funcs = resolve_rewards(script.reward_funcs)
     resolve_rewards([script.accuracy_reward] if script.accuracy_reward else [])
@@ -87,10 +113,16 @@ def check_hub_model(model: str) -> None:
     from huggingface_hub import HfApi, try_to_load_from_cache
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
+    offline_set = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     if isinstance(try_to_load_from_cache(model, "config.json"), str):
-        return  # in the local cache: loads offline too
+        if not offline_set and not _hub_reachable(model):
+            # Cached but the Hub unreachable: transformers would retry every file for minutes before using the cache.
+            _go_offline()
+            print(f"{model}: the Hugging Face Hub is unreachable; using the cached copy (HF_HUB_OFFLINE=1).",
+                  flush=True)  # fmt: skip
+        return
     offline = " offline tiny model (--model tiny:qwen2_5_vl)"
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+    if offline_set:
         raise UsageError(f"--model {model}: not in the local Hugging Face cache and HF_HUB_OFFLINE is set; download "
                          f"it where there is internet (hf download {model}) or train the{offline}.")  # fmt: skip
     try:
@@ -188,3 +220,25 @@ def _check_training_values(config: Any) -> None:
     for name in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(config, name) < 1:
             raise UsageError(f"--{name} must be in [0, 1), got {getattr(config, name):g}.")
+
+
+def _hub_reachable(model: str) -> bool:
+    """Whether the Hub answers for `model` within a few seconds (any answer, even "not found", is reachable)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        HfApi().model_info(model, timeout=5)
+    except HfHubHTTPError:
+        return True
+    except Exception:  # noqa: BLE001  (no network, DNS, proxy, timeout: each library names them differently)
+        return False
+    return True
+
+
+def _go_offline() -> None:
+    """Offline mode for the rest of this process, as HF_HUB_OFFLINE=1 at start would have set it."""
+    import huggingface_hub.constants
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    huggingface_hub.constants.HF_HUB_OFFLINE = True

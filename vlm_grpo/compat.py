@@ -136,8 +136,16 @@ def quiet_third_party_checkpointing_deprecations() -> Iterator[None]:
         yield
 
 
-def check_trl_device_support(device: Any) -> None:
-    """Refuse, before the first step, a TRL that cannot compute GRPO log-probs on `device` (a `torch.device`)."""
+def check_trl_device_support(device: Any, model: Any = None) -> None:
+    """Refuse, before the first step, a TRL that cannot compute GRPO log-probs on `device` (a `torch.device`), and
+    training a bitsandbytes-quantised `model` there on a CPU: its CPU backend loads and generates, but its 4-bit matmul
+    fails in training (an in-place bias add on a view, bitsandbytes 0.49)."""
+    method = getattr(getattr(model, "get_base_model", lambda: model)(), "quantization_method", None)
+    if device.type == "cpu" and str(getattr(method, "value", method)) == "bitsandbytes":
+        raise RuntimeError(
+            "Training a 4-bit / 8-bit (bitsandbytes) model needs a CUDA GPU: bitsandbytes' CPU backend fails in "
+            "training. Train on a GPU, or load the model in 16/32-bit (load_in_4bit=False, load_in_8bit=False)."
+        )
     import trl
     from packaging.version import Version
 

@@ -118,6 +118,12 @@ class Family:
         """Whether the processor takes videos (it bundles a video processor)."""
         return self.video_processor is not None
 
+    @property
+    def trains_on_clips(self) -> bool:
+        """Whether the trainer serves its clips: the video budget has a rule for it (Qwen-VL); a bundled video
+        processor alone (`supports_video`) is not enough."""
+        return self.video_budget is not None
+
     def image_token_ids(self, config: Any) -> set[int]:
         """Ids of the image (and video) placeholder tokens in `config` (the model's config)."""
         values = (getattr(config, name, None) for name in self.image_token_attrs)

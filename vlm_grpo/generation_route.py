@@ -1,8 +1,10 @@
 """Which path generates a trainer's rollouts: the fast generator, or TRL's own `_generate_single_turn`.
 
 The fast generator (`vlm_grpo.engine.fast_generation`) serves in-process generation on one GPU, under DDP, FSDP2 and
-ZeRO-3 (weights gathered once per rollout). TRL's path serves vLLM, transformers' continuous batching, tool-calling
-rollouts, FSDP1, ZeRO-3 without gathering, and anything the generator itself cannot serve (`FastPathUnavailable`);
+ZeRO-3 (weights gathered once per rollout), and every turn of a tool-calling rollout: TRL's tool loop calls the
+trainer's `_generate_single_turn` again with each row's conversation so far (prompt, completion, tool results and
+their images), which the fast generator completes as any prompt. TRL's path serves vLLM, transformers' continuous
+batching, FSDP1, ZeRO-3 without gathering, and anything the generator itself cannot serve (`FastPathUnavailable`);
 each reason is logged once per run (`trainer._fast_generation_fallbacks`).
 """
 
@@ -20,7 +22,14 @@ from .engine.sharded import full_weights
 from .engine.sharded import unsupported_reason as sharded_unsupported_reason
 from .modes import checkpointing_off
 
-__all__ = ["compile_setting", "fast_generate", "generation_blocker", "is_zero3", "make_generator"]
+__all__ = [
+    "compile_setting",
+    "fast_generate",
+    "generation_blocker",
+    "is_zero3",
+    "make_generator",
+    "tool_image_token_types",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -50,18 +59,28 @@ def make_generator(trainer: Any) -> FastGenerator:
     )
 
 
-def generation_blocker(trainer: Any, has_tool_images: bool) -> str | None:
+def generation_blocker(trainer: Any) -> str | None:
     """Why `trainer` generates on TRL's plain path (None: the fast path can serve it)."""
     # TRL's attributes read plainly (vlm_grpo.private_api.TRAINER_ATTRIBUTES, checked against TRL by a test).
     if trainer.use_vllm or trainer.use_transformers_continuous_batching:
         return "generation runs in vLLM / transformers continuous batching"
-    if trainer.tools or has_tool_images or trainer.environment_factories is not None:
-        return "tool-calling rollouts re-enter generation with tool results"
     if trainer.is_fsdp_enabled and (reason := sharded_unsupported_reason(trainer.model_wrapped)):
         return reason
     if is_zero3(trainer) and not trainer.args.ds3_gather_for_generation:
         return "ds3_gather_for_generation=False: ZeRO-3 weights stay sharded while generating"
     return trainer.fast_generator.unsupported_reason(trainer.accelerator.unwrap_model(trainer.model))
+
+
+def tool_image_token_types(trainer: Any, prompt_ids: Any, multimodal_fields: dict[str, Any]) -> dict[str, Any]:
+    """A tool turn's inputs with its image (1) and video (2) tokens marked, as TRL's plain path marks them for
+    `generate` (the image processor it ran on the tool images gives no such marks): `mm_token_type_ids` for the
+    families with `image_grid_thw` (Qwen's 3-D positions read them), `token_type_ids` for the others."""
+    if "mm_token_type_ids" in multimodal_fields or "token_type_ids" in multimodal_fields:
+        return multimodal_fields
+    image, video = trainer._image_pad_token_id, trainer._video_pad_token_id
+    marks = [[1 if t == image else 2 if t == video else 0 for t in ids] for ids in prompt_ids]
+    key = "mm_token_type_ids" if "image_grid_thw" in multimodal_fields else "token_type_ids"
+    return {**multimodal_fields, key: marks}
 
 
 @contextlib.contextmanager
@@ -85,7 +104,9 @@ def fast_generate(
     (the reason logged once per run)."""
     if not getattr(trainer.args, "fast_generation", False):
         return None
-    reason = generation_blocker(trainer, has_tool_images)
+    reason = generation_blocker(trainer)
+    if reason is None and has_tool_images:
+        multimodal_fields = tool_image_token_types(trainer, prompt_ids, multimodal_fields)
     if reason is None:
         # FSDP2 units are unsharded here, once for the whole rollout rather than per layer per token.
         with (

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from . import modes
+from .adapters import adapter_base, attach_adapter
 from .compat import quiet_third_party_checkpointing_deprecations
 from .families import projector_names
 from .hooks import VISION_TOWER_NAMES
@@ -124,7 +125,8 @@ class FastBaseVisionModel:
         """Load a VLM and its processor: `(model, processor)`.
 
         Args:
-            model_name: a Hub id (`Qwen/Qwen2.5-VL-3B-Instruct`) or a local checkpoint directory.
+            model_name: a Hub id (`Qwen/Qwen2.5-VL-3B-Instruct`), a local checkpoint directory, or a saved LoRA
+                adapter folder (its base model loaded, then the adapter, trainable: `vlm_grpo.adapters`).
             max_seq_length: accepted for compatibility with Unsloth's `from_pretrained` and has no effect: a
                 transformers model has no fixed context to set. Bound lengths with `VLMGRPOConfig`'s
                 `max_completion_length` (and the pixel budget, which bounds the image tokens of a prompt).
@@ -152,6 +154,14 @@ class FastBaseVisionModel:
                 "such as 'Qwen/Qwen2.5-VL-3B-Instruct'."
             )
         model_name = os.path.expanduser(model_name)
+        if (base := adapter_base(model_name)) is not None:  # a saved LoRA adapter: its base, then the adapter
+            if full_finetuning:
+                raise ValueError(f"{model_name!r} is a LoRA adapter: merge it (save_pretrained_merged) to full-tune.")
+            model, processor = FastBaseVisionModel.from_pretrained(
+                base, max_seq_length, dtype, load_in_4bit, load_in_8bit, False, use_gradient_checkpointing,
+                device_map, trust_remote_code, min_pixels, max_pixels, attn_implementation, **kwargs,
+            )  # fmt: skip
+            return attach_adapter(model, model_name, use_gradient_checkpointing), processor
         if os.path.isdir(model_name) and not os.path.exists(os.path.join(model_name, "config.json")):
             raise FileNotFoundError(
                 f"{model_name!r} has no config.json, so it is not a transformers checkpoint. Point at the directory "

@@ -120,6 +120,8 @@ TRAINER_ATTRIBUTES = (
     "chat_template_kwargs",
     "beta",  # adapters_off: a fresh adapter's reference is the policy, its adapters off, set as TRL's ref_model
     "ref_model",
+    "_image_pad_token_id",  # generation_route: a tool turn's image tokens marked as TRL's plain path marks them
+    "_video_pad_token_id",
 )  # fmt: skip
 FUSED_LM_HEAD_KEYWORDS = ("fused_lm_head", "shift_labels")
 

@@ -20,12 +20,19 @@ training on them), which is why it is off by default: the gap it corrects is log
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["GAP_METRICS", "log_batch_gap", "log_logp_gap", "loss_as_vllm", "mark_sampled", "sampled_as_vllm"]
+__all__ = [
+    "GAP_METRICS", "log_batch_gap", "log_logp_gap", "loss_as_vllm", "mark_sampled", "plain_turn_logprobs",
+    "sampled_as_vllm",
+]  # fmt: skip
+
+logger = logging.getLogger(__name__)
 
 GAP_METRICS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max")
 
@@ -71,8 +78,24 @@ def sampled_as_vllm(trainer: Any) -> Iterator[None]:
 def mark_sampled(trainer: Any, logprobs: Any) -> None:
     """The fast path returned the sampler's `logprobs`: from here to the end of `sampled_as_vllm`, TRL's vLLM
     importance sampling runs on them when `fast_generation_importance_sampling` asks for it."""
-    if logprobs is not None and _correcting(trainer):
-        trainer.use_vllm = True
+    if logprobs is None or not _correcting(trainer):
+        return
+    if any(math.isnan(p) for row in logprobs for p in row):  # a tool turn TRL's path generated (`plain_turn_logprobs`)
+        if not getattr(trainer, "_warned_partial_logprobs", False):
+            trainer._warned_partial_logprobs = True
+            logger.warning("A rollout had turns generated on TRL's path, which gives no sampler log-probs: no "
+                           "importance sampling for such rollouts (fast_generation_importance_sampling).")  # fmt: skip
+        return
+    trainer.use_vllm = True
+
+
+def plain_turn_logprobs(trainer: Any, completion_ids: list[list[int]], logprobs: Any) -> Any:
+    """The sampler log-probs of a turn TRL's plain path generated (it gives None). Within a rollout an earlier turn
+    of which the fast path generated, TRL's tool loop appends this turn's to that turn's: NaN for each token (no
+    log-prob: left out of the gap; such a rollout gets no importance sampling, `mark_sampled`)."""
+    if logprobs is None and getattr(trainer, "_rollout_has_logprobs", False):
+        return [[math.nan] * len(ids) for ids in completion_ids]
+    return logprobs
 
 
 @contextlib.contextmanager

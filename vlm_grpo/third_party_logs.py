@@ -22,7 +22,7 @@ import logging
 import warnings
 from collections.abc import Iterator
 
-__all__ = ["install", "library_bars_off"]
+__all__ = ["datasets_bars_off", "install", "library_bars_off"]
 
 _BITSANDBYTES_CPU = "bitsandbytes.backends.cpu.ops"
 _HUB_KERNELS = "transformers.integrations.hub_kernels"
@@ -71,3 +71,18 @@ def library_bars_off() -> Iterator[None]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 transformers_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def datasets_bars_off() -> Iterator[None]:
+    """datasets' progress bars off inside the block (a cast of a column's type takes no time, yet drew a "Casting
+    the dataset" bar per call), back as they were after it."""
+    import datasets
+
+    was_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            datasets.enable_progress_bars()

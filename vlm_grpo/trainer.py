@@ -61,7 +61,7 @@ from .model_card import complete_model_card
 from .modes import apply_configured_checkpointing, checkpointing_off, generating
 from .private_api import merged_generation_config
 from .rows import add_image_sizes, prepare_row, rows_for_rewards
-from .sampler_logprobs import log_batch_gap, loss_as_vllm, mark_sampled, sampled_as_vllm
+from .sampler_logprobs import log_batch_gap, loss_as_vllm, mark_sampled, plain_turn_logprobs, sampled_as_vllm
 from .scoring_route import logps_by_path
 from .trainer_inputs import prepare_inputs
 
@@ -162,7 +162,7 @@ class VLMGRPOTrainer(GRPOTrainer):
         `resume_from_checkpoint=True` resumes from the newest *complete* checkpoint in `output_dir`
         (`vlm_grpo.checkpoints`), where transformers would take the newest one, even one cut short by a kill.
         """
-        check_trl_device_support(self.accelerator.device)
+        check_trl_device_support(self.accelerator.device, self.accelerator.unwrap_model(self.model))
         if resume_from_checkpoint is True:
             resume_from_checkpoint = newest_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
@@ -256,6 +256,7 @@ class VLMGRPOTrainer(GRPOTrainer):
 
     def _generate(self, prompts: list):
         # Unpacked by name, so a change in TRL's return fails here rather than patching the wrong element.
+        self._rollout_has_logprobs = False  # set by a turn the fast path generates (`plain_turn_logprobs`)
         prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images = (
             super()._generate(prompts)
         )
@@ -282,13 +283,15 @@ class VLMGRPOTrainer(GRPOTrainer):
         with generating(unwrapped):
             completions = fast_generate(self, prompt_ids, images, multimodal_fields, has_tool_images)
             if completions is not None:
+                self._rollout_has_logprobs = True
                 return completions
             # TRL's generation switches checkpointing off and on again with the config's kwargs: off here first, so
             # it leaves it alone, and given back exactly as found after.
             with checkpointing_off(unwrapped):
-                return super()._generate_single_turn(
+                ids, logprobs = super()._generate_single_turn(
                     prompt_ids, images, multimodal_fields, num_generations, has_tool_images
                 )
+            return ids, plain_turn_logprobs(self, ids, logprobs)
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,

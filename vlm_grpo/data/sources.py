@@ -222,17 +222,22 @@ def _bytes_clips(dataset: Any, column: str) -> Any:
 
 def _resolve_clips(dataset: Any, column: str, base_dir: str) -> Any:
     """Clip paths (files, frame folders, frame files) in `column` made absolute against `base_dir`."""
-
-    def fix(value: Any) -> Any:
-        if value is None:
-            return None
-        if isinstance(value, list):
-            return [fix(v) for v in value]
-        # A missing file is kept as its path: `drop_unreadable_rows` skips its row like one with a corrupt clip.
-        return os.path.join(base_dir, os.path.expanduser(value))
-
-    return dataset.map(lambda batch: {column: [fix(v) for v in batch[column]]}, batched=True,
+    # A module-level function with its arguments in `fn_kwargs`: datasets can hash it (a closure made it warn).
+    return dataset.map(_absolute_clips, batched=True, fn_kwargs={"column": column, "base_dir": base_dir},
                        desc=f"resolving `{column}`")  # fmt: skip
+
+
+def _absolute_clips(batch: dict[str, list], column: str, base_dir: str) -> dict[str, list]:
+    return {column: [_absolute_clip(v, base_dir) for v in batch[column]]}
+
+
+def _absolute_clip(value: Any, base_dir: str) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return [_absolute_clip(v, base_dir) for v in value]
+    # A missing file is kept as its path: `drop_unreadable_rows` skips its row like one with a corrupt clip.
+    return os.path.join(base_dir, os.path.expanduser(value))
 
 
 def _resolve_images(dataset: Any, column: str, as_list: bool, base_dir: str) -> Any:

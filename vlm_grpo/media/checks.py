@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..third_party_logs import datasets_bars_off
 from .clips import VideoError, is_clip_value, probe_clip
 from .columns import row_clips, row_images
 from .images import ImageError, load_image
@@ -119,12 +120,15 @@ def undecoded(dataset: Any, column: str | None) -> Any:
     lists = tuple(k for k in (Sequence, getattr(datasets, "List", None)) if k is not None)
     feature = dataset.features.get(column)
     if isinstance(feature, kinds):
-        return dataset.cast_column(column, type(feature)(decode=False))
-    if isinstance(feature, lists) and isinstance(feature.feature, kinds):
-        return dataset.cast_column(column, type(feature)(type(feature.feature)(decode=False)))
-    if isinstance(feature, list) and feature and isinstance(feature[0], kinds):
-        return dataset.cast_column(column, [type(feature[0])(decode=False)])
-    return dataset
+        undecoded_feature = type(feature)(decode=False)
+    elif isinstance(feature, lists) and isinstance(feature.feature, kinds):
+        undecoded_feature = type(feature)(type(feature.feature)(decode=False))
+    elif isinstance(feature, list) and feature and isinstance(feature[0], kinds):
+        undecoded_feature = [type(feature[0])(decode=False)]
+    else:
+        return dataset
+    with datasets_bars_off():  # a type change: no "Casting the dataset" bar
+        return dataset.cast_column(column, undecoded_feature)
 
 
 def _image_problem(image: Any, decode: bool) -> str | None:

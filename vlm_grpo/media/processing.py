@@ -112,11 +112,11 @@ def check_video_support(processor: Any, model: Any = None) -> None:
     family = find_family(model) if model is not None else None
     video = getattr(processor, "video_processor", None)
     # Clips are served where the video budget has a rule (Qwen-VL).
-    if (family is not None and family.video_budget is None) or video is None:
+    if (family is not None and not family.trains_on_clips) or video is None:
         which = f"{family.model_type} models" if family is not None else type(processor).__name__
         raise ValueError(
             f"The rows have clips (a `video` / `videos` column or `<video>` placeholders), but {which} take no video "
-            f"here. Use a family that does ({', '.join(model_types(lambda f: f.video_budget is not None))}), or drop "
+            f"here. Use a family that does ({', '.join(model_types(lambda f: f.trains_on_clips))}), or drop "
             "the clips."
         )
 
