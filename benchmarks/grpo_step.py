@@ -121,87 +121,6 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------------------------- worker process
 
 
-def _sync_time() -> float:
-    import torch
-
-    # The compute stream's work, not the device's: vlm-grpo copies the base weights back from the host on a side
-    # stream that overlaps the scoring forward (engine/lora_merge.py), so that copy counts where it makes the compute
-    # stream wait (scoring), and in the step total. For TRL, which uses one stream, the two are the same.
-    if torch.cuda.is_available():
-        torch.cuda.current_stream().synchronize()
-    return time.perf_counter()
-
-
-def _timed(base):
-    """Subclass of a GRPO trainer that times generation and scoring, and whole steps, with CUDA syncs."""
-
-    from torch.profiler import record_function  # the phases `step_profile.py` reads (no cost unless profiling)
-
-    class Timed(base):
-        def _generate(self, prompts):
-            start = _sync_time()
-            with record_function("step.generation"):
-                out = super()._generate(prompts)
-            self._bench_generation += _sync_time() - start
-            return out
-
-        def _generate_and_score_completions(self, inputs):
-            start = _sync_time()
-            before = self._bench_generation
-            with record_function("step.rollout"):
-                out = super()._generate_and_score_completions(inputs)
-            self._bench_scoring += (_sync_time() - start) - (self._bench_generation - before)
-            return out
-
-        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-            with record_function("step.logps"):
-                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
-
-        def _calculate_rewards(self, *args, **kwargs):
-            with record_function("step.rewards"):
-                return super()._calculate_rewards(*args, **kwargs)
-
-        def compute_loss(self, *args, **kwargs):
-            with record_function("step.loss"):
-                return super().compute_loss(*args, **kwargs)
-
-    return Timed
-
-
-def _callback(records: list, args_profile_step: int = 0):
-    import torch
-    from torch.profiler import record_function
-    from transformers import TrainerCallback
-
-    class StepTimer(TrainerCallback):
-        trainer = None
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            t = self.trainer
-            t._bench_generation = t._bench_scoring = 0.0
-            if torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
-            self.start = _sync_time()
-
-        def on_pre_optimizer_step(self, args, state, control, **kwargs):
-            self.optimizer_range = record_function("step.optimizer")
-            self.optimizer_range.__enter__()
-
-        def on_optimizer_step(self, args, state, control, **kwargs):
-            self.optimizer_range.__exit__(None, None, None)
-
-        def on_step_end(self, args, state, control, **kwargs):
-            total = _sync_time() - self.start
-            t = self.trainer
-            records.append({
-                "step": state.global_step, "total_s": total, "profiled": 0 < args_profile_step <= state.global_step, "generation_s": t._bench_generation,
-                "scoring_s": t._bench_scoring, "training_s": total - t._bench_generation - t._bench_scoring,
-                "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
-            })  # fmt: skip
-
-    return StepTimer()
-
-
 def _dataset(args):
     import numpy as np
     from datasets import Dataset
@@ -259,7 +178,9 @@ def run_worker(args) -> None:
     if args.video_frames:  # every frame kept: the clip is the benchmark's input, not the sampler's choice
         common["video_num_frames"] = args.video_frames
     records: list = []
-    timer = _callback(records, args.profile_step)
+    from step_timing import step_timer, timed
+
+    timer = step_timer(records, args.profile_step)
     load_start = time.perf_counter()
     if trainer_name in VLM_VARIANTS:
         from vlm_grpo import FastVisionModel, VLMGRPOConfig, VLMGRPOTrainer
@@ -269,7 +190,7 @@ def run_worker(args) -> None:
         model, processor = FastVisionModel.from_pretrained(checkpoint, **quantized, full_finetuning=args.full)
         if not args.full:
             model = FastVisionModel.get_peft_model(model, r=16, lora_alpha=16)
-        trainer = _timed(VLMGRPOTrainer)(model, [_reward], args=VLMGRPOConfig(**common), train_dataset=dataset,
+        trainer = timed(VLMGRPOTrainer)(model, [_reward], args=VLMGRPOConfig(**common), train_dataset=dataset,
                                          processing_class=processor, callbacks=[timer])  # fmt: skip
         for name, value in GENERATOR_VARIANTS.get(trainer_name, {}).items():
             setattr(trainer.fast_generator, name, value)
@@ -297,7 +218,7 @@ def run_worker(args) -> None:
         if trainer_name == "trl-static":
             common["cache_implementation"] = "static"
         peft_config = None if args.full else LoraConfig(r=16, lora_alpha=16, target_modules="all-linear")
-        trainer = _timed(sampler_gap_trl(GRPOTrainer))(model, [_reward], args=GRPOConfig(**common), train_dataset=dataset,
+        trainer = timed(sampler_gap_trl(GRPOTrainer))(model, [_reward], args=GRPOConfig(**common), train_dataset=dataset,
                                       processing_class=processor, peft_config=peft_config, callbacks=[timer])  # fmt: skip
     timer.trainer = trainer
     if args.profile_step:

@@ -1,0 +1,87 @@
+"""`grpo_step.py`'s timers: a GRPO trainer subclass timing generation and scoring, and a callback timing whole steps
+(with CUDA syncs on the compute stream), each phase also a profiler range that `step_profile.py` reads."""
+
+from __future__ import annotations
+
+import time
+
+
+def sync_time() -> float:
+    import torch
+
+    # The compute stream's work, not the device's: vlm-grpo copies the base weights back from the host on a side
+    # stream that overlaps the scoring forward (engine/lora_merge.py), so that copy counts where it makes the compute
+    # stream wait (scoring), and in the step total. For TRL, which uses one stream, the two are the same.
+    if torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()
+    return time.perf_counter()
+
+
+def timed(base):
+    """Subclass of a GRPO trainer that times generation and scoring, and whole steps, with CUDA syncs."""
+
+    from torch.profiler import record_function  # the phases `step_profile.py` reads (no cost unless profiling)
+
+    class Timed(base):
+        def _generate(self, prompts):
+            start = sync_time()
+            with record_function("step.generation"):
+                out = super()._generate(prompts)
+            self._bench_generation += sync_time() - start
+            return out
+
+        def _generate_and_score_completions(self, inputs):
+            start = sync_time()
+            before = self._bench_generation
+            with record_function("step.rollout"):
+                out = super()._generate_and_score_completions(inputs)
+            self._bench_scoring += (sync_time() - start) - (self._bench_generation - before)
+            return out
+
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            with record_function("step.logps"):
+                return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+        def _calculate_rewards(self, *args, **kwargs):
+            with record_function("step.rewards"):
+                return super()._calculate_rewards(*args, **kwargs)
+
+        def compute_loss(self, *args, **kwargs):
+            with record_function("step.loss"):
+                return super().compute_loss(*args, **kwargs)
+
+    return Timed
+
+
+def step_timer(records: list, args_profile_step: int = 0):
+    import torch
+    from torch.profiler import record_function
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        trainer = None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            t = self.trainer
+            t._bench_generation = t._bench_scoring = 0.0
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            self.start = sync_time()
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            self.optimizer_range = record_function("step.optimizer")
+            self.optimizer_range.__enter__()
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            self.optimizer_range.__exit__(None, None, None)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            total = sync_time() - self.start
+            t = self.trainer
+            records.append({
+                "step": state.global_step, "total_s": total, "profiled": 0 < args_profile_step <= state.global_step, "generation_s": t._bench_generation,
+                "scoring_s": t._bench_scoring, "training_s": total - t._bench_generation - t._bench_scoring,
+                "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
+            })  # fmt: skip
+
+    return StepTimer()
