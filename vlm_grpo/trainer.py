@@ -18,9 +18,11 @@ its concern:
   (`vlm_grpo.rows.prepare_row`); with `dynamic_sampling`, the batch built from rounds of these calls
   (`vlm_grpo.dynamic_sampling`); the fast path's importance sampling as TRL's for vLLM (`vlm_grpo.sampler_logprobs`).
 - `_tokenize_prompts`: each distinct prompt processed once; a batch with clips processed here (TRL has no video path:
-  `vlm_grpo.media.processing`), each row's vision inputs kept for the forward passes.
+  `vlm_grpo.media.processing`), each row's vision inputs kept for the forward passes; an environment's image fields
+  as the tensors TRL's tool loop takes (`vlm_grpo.tools.rollouts`).
 - `_generate`: `[]` images for text-only rows (TRL's None breaks the processor); no images handed to TRL for a batch
-  with clips (its forward would process them without the clips).
+  with clips (its forward would process them without the clips); tool calls that did not parse logged
+  (`vlm_grpo.tools.rollouts`).
 - `_generate_single_turn`: inference mode while generating (`vlm_grpo.modes`); completions from the fast generator
   unless it cannot serve the call (`vlm_grpo.generation_route`: TRL's `model.generate`, the reason logged once).
 - `_calculate_rewards`: rows reach the rewards in the dataset's own format (`vlm_grpo.rows.rows_for_rewards`); the
@@ -63,6 +65,7 @@ from .private_api import merged_generation_config
 from .rows import add_image_sizes, prepare_row, rows_for_rewards
 from .sampler_logprobs import log_batch_gap, loss_as_vllm, mark_sampled, plain_turn_logprobs, sampled_as_vllm
 from .scoring_route import logps_by_path
+from .tools.rollouts import fields_as_tensors, log_malformed_calls
 from .trainer_inputs import prepare_inputs
 
 __all__ = ["VISION_ROWS", "VLMGRPOConfig", "VLMGRPOTrainer"]
@@ -251,7 +254,8 @@ class VLMGRPOTrainer(GRPOTrainer):
             )  # fmt: skip
             return prompt_ids, media, fields
         if self.environment_factories is not None:  # each row renders its own environment's tools
-            return super()._tokenize_prompts(prompts)
+            prompt_ids, images, fields = super()._tokenize_prompts(prompts)
+            return prompt_ids, images, fields_as_tensors(fields)  # TRL's tool loop takes tensors (`tools.rollouts`)
         return tokenize_distinct(super()._tokenize_prompts, prompts, find_family(self.model))
 
     def _generate(self, prompts: list):
@@ -261,6 +265,8 @@ class VLMGRPOTrainer(GRPOTrainer):
             super()._generate(prompts)
         )
         mark_sampled(self, logprobs)
+        if self.tools:  # calls that did not parse: TRL counts them nowhere (`tools.rollouts`)
+            log_malformed_calls(self, completions)
         if self._vision_rows is not None:
             images = None  # TRL would process the images without the clips; the rows carry both (`_vision_rows`)
         elif images is not None and any(images):

@@ -3,7 +3,9 @@
 A model given by name is loaded with `FastBaseVisionModel` (as TRL would load it, with `model_init_kwargs`), the
 processor defaults to the one loaded with the model, the media budgets are put where they act, the datasets are
 checked row by row (structural problems raise; rows with unreadable images or clips are dropped and counted), a model
-with nothing to train is refused, and every reward function is wrapped so a bad return names the function and the row.
+with nothing to train is refused, every reward function is wrapped so a bad return names the function and the row, and
+given tools, a processor whose chat template cannot render them gets one where the package has one
+(`vlm_grpo.tools.templates`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .media.video_budget import VideoBudget, apply_video_budget
 from .model import FastBaseVisionModel
 from .reward_checks import checked_reward_func
 from .rows import check_dataset
+from .tools.templates import prepare_tool_template
 
 __all__ = ["TrainerInputs", "model_init_kwargs", "prepare_inputs", "refuse_frozen_model"]
 
@@ -106,6 +109,7 @@ def prepare_inputs(
         processing_class = getattr(model, "_vlm_grpo_processor", None) or load_processor(
             model.config._name_or_path, model.config.model_type
         )
+    prepare_tool_template(processing_class, model, kwargs)  # before TRL checks the template renders tools
     # The processor's own budget (Qwen-VL), overwritten by the config's where it sets one; else the config's.
     pixel_budget = apply_pixel_budget(
         processing_class, getattr(args, "min_pixels", None), getattr(args, "max_pixels", None)

@@ -5,7 +5,8 @@ embedded demo build their models in code: a real transformers architecture with 
 seeded random weights, a word-level tokenizer carrying the family's real special tokens and chat
 template (`tiny.tokenizer`), and the family's real (PIL) image processor, one module per family. The result is a
 normal checkpoint directory that `FastBaseVisionModel.from_pretrained` (or plain transformers) loads like any Hub
-model (`tiny.build.build_tiny_vlm`).
+model (`tiny.build.build_tiny_vlm`). For tool calling (`tools=True`, Qwen families) the tokenizer is a byte-level BPE
+that decodes text back exactly, with the family's shipped chat template.
 """
 
 from .build import TINY_FAMILIES, build_tiny_vlm

@@ -17,7 +17,7 @@ import torch
 
 from ..families import model_types
 from . import gemma3, glm4v, idefics3, internvl, lfm2_vl, llava_onevision, mistral3, paligemma, qwen, smolvlm
-from .tokenizer import build_tokenizer
+from .tokenizer import build_text_tokenizer, build_tokenizer
 
 __all__ = ["TINY_FAMILIES", "build_tiny_vlm"]
 
@@ -48,6 +48,7 @@ def build_tiny_vlm(
     seed: int = 0,
     words: Iterable[str] | None = None,
     image_size: int | None = None,
+    tools: bool = False,
 ) -> str:
     """Write a complete, offline tiny VLM checkpoint directory and return its path.
 
@@ -60,6 +61,9 @@ def build_tiny_vlm(
         image_size: the image side the model is built for. Qwen families accept any size (it sets the pixel
             budget's unit); Gemma3 and Idefics3 resize every image to this square. Must be a multiple of 4
             (of 28 for Qwen2/2.5-VL, of 32 for Qwen3-VL).
+        tools: built for tool calling (Qwen families): the family's shipped chat template (Qwen3-VL's and Qwen3.5's
+            render tools; Qwen2/2.5-VL's do not, as on the Hub), Qwen's tool tokens, and a tokenizer that decodes
+            text back exactly (`tiny.tokenizer.build_text_tokenizer`), so TRL parses the tool calls it generates.
 
     Returns:
         The checkpoint directory: config, seeded weights (safetensors), generation config and processor
@@ -75,7 +79,12 @@ def build_tiny_vlm(
     extra = [w for w in (words or []) if w and w.strip()]
     if any(len(w.split()) != 1 for w in extra):
         raise ValueError("`words` must be single words without spaces (each becomes one token).")
-    tok = build_tokenizer(spec, extra)
+    if tools:
+        if not hasattr(builder, "tool_tokenizer"):
+            tool_families = [n for n, b in _BUILDERS.items() if hasattr(b, "tool_tokenizer")]
+            raise ValueError(f"tools=True builds {', '.join(tool_families)}, not {family!r}.")
+        spec = builder.tool_tokenizer(family)
+    tok = build_text_tokenizer(spec, extra) if tools else build_tokenizer(spec, extra)
 
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
@@ -91,7 +100,7 @@ def build_tiny_vlm(
     from ..callbacks import library_bars_off
     from ..files import follow_umask
 
-    out_dir = str(out_dir) if out_dir is not None else _cache_dir(family, seed, extra, image_size)
+    out_dir = str(out_dir) if out_dir is not None else _cache_dir(family, seed, extra, image_size, tools)
     os.makedirs(out_dir, exist_ok=True)
     with library_bars_off():  # a "Writing model shards" bar for a file written in no time
         model.save_pretrained(out_dir)
@@ -102,9 +111,10 @@ def build_tiny_vlm(
     return out_dir
 
 
-def _cache_dir(family: str, seed: int, words: list[str], image_size: int) -> str:
+def _cache_dir(family: str, seed: int, words: list[str], image_size: int, tools: bool) -> str:
     """Where `build_tiny_vlm` writes when given no directory: one folder per model under the user's cache
     (`$XDG_CACHE_HOME` or ~/.cache), `vlm_grpo/tiny-models/<family>-<hash of the settings>`, rewritten by each build."""
-    key = json.dumps([family, seed, words, image_size]).encode()
+    # Tool builds hash differently; plain builds keep the folder names they always had.
+    key = json.dumps([family, seed, words, image_size, *(["tools"] if tools else [])]).encode()
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(cache, "vlm_grpo", "tiny-models", f"{family}-{hashlib.sha256(key).hexdigest()[:12]}")

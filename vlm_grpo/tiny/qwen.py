@@ -6,12 +6,13 @@ Image geometry: patch 14 (Qwen3-VL, Qwen3.5: 16), merge 2, so a 56x56 (64x64) im
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from .sizes import HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, VISION_HEADS, VISION_HIDDEN, VISION_LAYERS
 from .tokenizer import TokenizerSpec
 
-__all__ = ["IMAGE_SIZES", "TOKENIZER", "parts"]
+__all__ = ["IMAGE_SIZES", "TOKENIZER", "parts", "tool_tokenizer"]
 
 _QWEN_TEMPLATE = (
     "{% for message in messages %}"
@@ -34,10 +35,31 @@ _QWEN_TOKENS = [
 ]  # fmt: skip
 
 TOKENIZER = TokenizerSpec(_QWEN_TOKENS, None, ["<|im_end|>", "<|endoftext|>"], "<|endoftext|>", _QWEN_TEMPLATE)
+# Added, not special, in the real tokenizers: a decoded completion keeps its tool calls.
+_TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+# The chat template each family ships, by its name in `trl.chat_template_utils`, which keeps the real templates to
+# recognise them (`add_response_schema`). Qwen2-VL and Qwen2.5-VL ship one without tools; small Qwen3.5 models ship
+# the no-thinking variant, the MoE the thinking one.
+_SHIPPED_TEMPLATES = {
+    "qwen2_vl": "qwen2_5_vl_chat_template", "qwen2_5_vl": "qwen2_5_vl_chat_template",
+    "qwen3_vl": "qwen3_vl_chat_template", "qwen3_5": "qwen3_5_nothink_chat_template",
+    "qwen3_5_moe": "qwen3_5_think_chat_template",
+}  # fmt: skip
 IMAGE_SIZES = {"qwen2_vl": 56, "qwen2_5_vl": 56, "qwen3_vl": 64, "qwen3_5": 64, "qwen3_5_moe": 64}
 # Qwen3.5's text model: a gated delta-rule (linear attention) layer, then a full-attention one (the real models
 # repeat three linear layers and one full one).
 _QWEN3_5_LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+
+
+def tool_tokenizer(name: str) -> TokenizerSpec:
+    """The tokenizer spec of a tiny `name` model for tool calling: the family's shipped chat template (as TRL keeps
+    it) and Qwen's tool tokens."""
+    from trl import chat_template_utils
+
+    template = getattr(chat_template_utils, _SHIPPED_TEMPLATES[name], None)
+    if template is None:
+        raise ValueError(f"This TRL has no copy of {name}'s chat template ({_SHIPPED_TEMPLATES[name]}); upgrade TRL.")
+    return replace(TOKENIZER, chat_template=template, added=list(_TOOL_TOKENS))
 
 
 def parts(name: str, tok: Any, vocab_size: int, image_size: int) -> tuple[Any, Any]:

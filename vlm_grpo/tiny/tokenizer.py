@@ -1,7 +1,9 @@
 """The tiny models' tokenizers: word-level, every word one token, with each family's special tokens and chat template.
 
 A random tiny model samples each token with probability ~1/vocabulary, so the vocabulary is kept small: the base
-words (what chat templates, task prompts and rewards use) and the words a task or a user's data needs.
+words (what chat templates, task prompts and rewards use) and the words a task or a user's data needs. Tool calling
+needs text back exactly as written (TRL parses the calls out of the decoded completion): `build_text_tokenizer`, a
+byte-level BPE over the same words.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 __all__ = [
     "MAX_LEARNABLE_WORDS",
     "TokenizerSpec",
+    "build_text_tokenizer",
     "build_tokenizer",
     "build_word_level_tokenizer",
     "offline_learning_note",
@@ -78,6 +81,8 @@ class TokenizerSpec:
     pad: str
     chat_template: str
     extra_special: dict[str, str] = field(default_factory=dict)
+    # Added tokens that are not special (Qwen's `<tool_call>`): kept by `decode(skip_special_tokens=True)`.
+    added: list[str] = field(default_factory=list)
 
 
 def build_word_level_tokenizer(
@@ -119,3 +124,50 @@ def build_tokenizer(family: TokenizerSpec, words: Iterable[str]) -> Any:
         chat_template=family.chat_template,
         model_max_length=4096,
     )
+
+
+# Qwen's pre-tokenization (transformers' `Qwen3_5Tokenizer`, which rebuilds any Qwen3.5 tokenizer it loads around this
+# regex, byte-level BPE and NFC, whatever `tokenizer.json` says): a text tokenizer built the same way reloads unchanged.
+_QWEN_PRETOKENIZE = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|"""
+    r"""\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+# The words of tool schemas and calls (`{"name": ..., "arguments": ...}`, Qwen3.5's `<function=...>`).
+_TOOL_WORDS = (
+    "name arguments function parameter type object properties required description integer number string".split()
+)
+
+
+def build_text_tokenizer(family: TokenizerSpec, words: Iterable[str]) -> Any:
+    """The family's tokenizer as a byte-level BPE, the kind real Qwen tokenizers are: it decodes any text back exactly
+    (`decode(encode(text)) == text`). For tool calling: TRL parses tool calls out of the decoded completion (JSON or
+    XML inside `<tool_call>`), which the word-level tokenizer (`build_tokenizer`: spaces between all tokens, unknown
+    punctuation) would break.
+
+    The base words, the tool schema words and `words` are one token each, with and without a leading space (merges
+    learned from them alone); any other text falls back to bytes. The family's special tokens are split out first, and
+    its `added` tokens (not special: decoding with `skip_special_tokens=True` keeps them).
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN_PRETOKENIZE), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])  # fmt: skip
+    backend.decoder = decoders.ByteLevel()
+    known = list(dict.fromkeys([*_BASE_WORDS, *_TOOL_WORDS, *words]))
+    trainer = trainers.BpeTrainer(
+        vocab_size=1_000_000, min_frequency=1, show_progress=False, special_tokens=["<unk>", *family.special_tokens],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    backend.train_from_iterator([f"{w} {w}" for w in known], trainer=trainer)  # each word bare and after a space
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in family.special_tokens])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in family.added])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", padding_side="left", pad_token=family.pad,
+        eos_token=family.eos[0], bos_token=family.bos, extra_special_tokens=dict(family.extra_special),
+        chat_template=family.chat_template, model_max_length=4096,
+    )  # fmt: skip
