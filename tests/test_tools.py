@@ -210,17 +210,25 @@ def _call_text(processor, family: str, name: str, arguments: dict) -> str:
     return full[len(prompt) :].rstrip("\n")
 
 
-def _forced_replies(tokenizer, family: str, first: str) -> dict:
+def _forced_replies(tokenizer, family: str, first: str, answer: bool = True) -> dict:
     """`generation_kwargs` making `generate` write `first` after the generation prompt and "red" after a tool
     response: a `sequence_bias` on each prefix of context + reply, doubling with its length so the longest match wins
-    (the post-tool context ends with the first one's)."""
+    (the post-tool context ends with the first one's). Without `answer`, `first` only after the user's question
+    (`_row`): after the tool the model writes what it will."""
     bias, prompt = [], _generation_prompt(family)
-    for context, reply in [(prompt, first), ("</tool_response><|im_end|>\n" + prompt, "red<|im_end|>")]:
-        context_ids = tokenizer(context, add_special_tokens=False)["input_ids"]
-        reply_ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
-        assert len(context_ids) + len(reply_ids) < 120  # 2 ** 128 overflows float32
-        bias += [[context_ids + reply_ids[: i + 1], 2.0 ** (len(context_ids) + i + 1)] for i in range(len(reply_ids))]
+    if not answer:
+        return {"sequence_bias": _bias(tokenizer, "colour?<|im_end|>\n" + prompt, first)}
+    replies = [(prompt, first), ("</tool_response><|im_end|>\n" + prompt, "red<|im_end|>")]
+    for context, reply in replies:
+        bias += _bias(tokenizer, context, reply)
     return {"sequence_bias": bias}
+
+
+def _bias(tokenizer, context: str, reply: str) -> list:
+    context_ids = tokenizer(context, add_special_tokens=False)["input_ids"]
+    reply_ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
+    assert len(context_ids) + len(reply_ids) < 120  # 2 ** 128 overflows float32
+    return [[context_ids + reply_ids[: i + 1], 2.0 ** (len(context_ids) + i + 1)] for i in range(len(reply_ids))]
 
 
 class _Recorder:
@@ -232,8 +240,11 @@ class _Recorder:
         self.completions: list = []
         self.environments: list = []
 
+        self.completion_ids: list = []
+
     def __call__(self, prompts, completions, environments=None, **kwargs) -> list[float]:
         self.completions += completions
+        self.completion_ids += kwargs.get("completion_ids") or []
         self.environments += environments or []
         return [float(i % 2) for i in range(len(completions))]  # unequal: a real update
 
@@ -244,11 +255,12 @@ def _side(family: str) -> int:
 
 def _config(config_class, tmp_path, generation_kwargs, **kwargs):
     """One step of 2 rollouts of one prompt, one tool call each at most, generation forced by `generation_kwargs`."""
-    return config_class(
+    settings = dict(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, num_generations=2, max_completion_length=256,
         max_steps=1, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
-        max_tool_calling_iterations=1, generation_kwargs=generation_kwargs, **kwargs,
+        max_tool_calling_iterations=1, generation_kwargs=generation_kwargs,
     )  # fmt: skip
+    return config_class(**{**settings, **kwargs})
 
 
 def _row(family: str) -> dict:
@@ -292,9 +304,37 @@ def test_image_tool_rollout_trains_with_the_tool_image_in_the_conversation(tiny_
     assert _colours(tool["content"][0]["image"]) == {RED}  # the left half: the row's own image, cropped
     assert answer["content"] == "red"
     assert all(type(e).__name__ == "ImageTools" for e in recorder.environments)
-    # What cannot serve tool rollouts says so: the fast generator, shared-prefix scoring (tool images in completions).
-    assert "Fast generation is off for this batch (tool-calling rollouts" in caplog.text
+    # The fast generator served both turns (the tool turn with its image); shared-prefix scoring says why it cannot
+    # serve tool images in completions.
+    assert trainer.fast_generator.stats["calls"] == 2 and not trainer._fast_generation_fallbacks
     assert any("image tokens in completions" in reason for reason in trainer.shared_prefix_fallbacks)
+
+
+@pytest.mark.trains
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5", "qwen2_5_vl"])
+def test_fast_generation_gives_the_plain_paths_tool_turns(tiny_dir, tmp_path, family):
+    """Only the call is forced: after the zoomed image the model answers greedily on its own, so the tokens depend on
+    the tool turn as each path built it (its text, its image through the vision tower, the positions after it)."""
+    half = _side(family) // 2
+    runs = {}
+    for fast in (True, False):
+        model, processor = FastVisionModel.from_pretrained(tiny_dir(family, tools=True, words=WORDS),
+                                                           full_finetuning=True)  # fmt: skip
+        first = _call_text(processor, family, "zoom", {"x1": 0, "y1": 0, "x2": half, "y2": half})
+        kwargs = {**_forced_replies(processor.tokenizer, family, first, answer=False), "do_sample": False}
+        args = _config(VLMGRPOConfig, tmp_path / str(fast), kwargs, fast_generation=fast, max_completion_length=160)
+        recorder = _Recorder()
+        trainer = VLMGRPOTrainer(model, recorder, args=args, train_dataset=Dataset.from_list([_row(family)] * 2),
+                                 processing_class=processor, environment_factory=ImageTools)  # fmt: skip
+        trainer.train()
+        runs[fast] = (recorder, trainer.state.log_history[0], trainer.fast_generator.stats["calls"])
+    (fast, fast_logs, fast_calls), (plain, plain_logs, plain_calls) = runs[True], runs[False]
+    assert fast_calls == 2 and plain_calls == 0  # both turns on the fast path; none on the plain one
+    assert fast.completion_ids == plain.completion_ids and fast.completions == plain.completions
+    call, tool = fast.completions[0][:2]
+    assert call["tool_calls"][0]["function"]["name"] == "zoom" and tool["content"][0]["type"] == "image"
+    assert len(fast.completion_ids[0]) > len(processor.tokenizer(first)["input_ids"]) + 8  # it went on after the tool
+    assert fast_logs["loss"] == pytest.approx(plain_logs["loss"], abs=1e-6)
 
 
 @pytest.mark.trains
@@ -426,3 +466,31 @@ def test_plain_trl_still_crashes_on_text_tools_with_image_prompts(tiny_dir, tmp_
                           processing_class=processor, tools=[_Calculator().add])  # fmt: skip
     with pytest.raises(TypeError, match="'int' object is not callable"):
         trainer.train()
+
+
+@pytest.mark.trains
+def test_a_tool_turn_the_fast_path_cannot_serve_falls_back_without_a_sampler_log_prob(tiny_dir, tmp_path, caplog):
+    """The first turn fast, the tool turn on TRL's path (the generator refusing it, as it refuses what it cannot
+    serve): TRL's loop appends that turn's log-probs to the first turn's, NaN here; the gap leaves them out and
+    importance sampling is skipped for such rollouts, said once."""
+    import math
+
+    from vlm_grpo.engine.fast_generation import FastPathUnavailable
+
+    trainer, recorder = _trainer(tiny_dir, tmp_path, "qwen3_vl", ("crop", {"x1": 0, "y1": 0, "x2": 32, "y2": 32}),
+                                 )  # fmt: skip
+    trainer.args.fast_generation_importance_sampling = True
+    generate = trainer.fast_generator.generate
+
+    def first_turn_only(model, prompt_ids, *args, **kwargs):
+        if trainer.fast_generator.stats["calls"] >= 1:
+            raise FastPathUnavailable("a later turn this test's generator refuses")
+        return generate(model, prompt_ids, *args, **kwargs)
+
+    trainer.fast_generator.generate = first_turn_only
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    logs = trainer.state.log_history[0]
+    assert recorder.completions[0][2] == {"role": "assistant", "content": "red"}  # TRL's path wrote the answer
+    assert "a later turn this test's generator refuses" in caplog.text and "no importance sampling" in caplog.text
+    assert math.isfinite(logs["loss"]) and math.isfinite(logs["sampling/sampling_logp_difference/mean"])
