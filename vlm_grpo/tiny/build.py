@@ -21,6 +21,9 @@ from .tokenizer import build_text_tokenizer, build_tokenizer
 
 __all__ = ["TINY_FAMILIES", "build_tiny_vlm"]
 
+# Families whose tokenizer transformers rebuilds on load as a byte-level BPE (`Qwen3_5Tokenizer`).
+_BYTE_LEVEL_ON_LOAD = frozenset({"qwen3_5", "qwen3_5_moe"})
+
 # The module building each family's parts, for every family marked `tiny` in `vlm_grpo.families`.
 _MODULES = (qwen, gemma3, idefics3, llava_onevision, paligemma, glm4v, internvl, smolvlm, mistral3, lfm2_vl)
 _BUILDERS: dict[str, ModuleType] = {name: module for module in _MODULES for name in module.IMAGE_SIZES}
@@ -84,7 +87,10 @@ def build_tiny_vlm(
             tool_families = [n for n, b in _BUILDERS.items() if hasattr(b, "tool_tokenizer")]
             raise ValueError(f"tools=True builds {', '.join(tool_families)}, not {family!r}.")
         spec = builder.tool_tokenizer(family)
-    tok = build_text_tokenizer(spec, extra) if tools else build_tokenizer(spec, extra)
+    # transformers loads every Qwen3.5 tokenizer as its own byte-level BPE class, whatever the folder says: a
+    # word-level one would come back garbled ("red blue" -> no ids). Those families get the byte-level build.
+    text = tools or family in _BYTE_LEVEL_ON_LOAD
+    tok = build_text_tokenizer(spec, extra) if text else build_tokenizer(spec, extra)
 
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
