@@ -152,6 +152,17 @@ def test_help_is_quick_it_imports_neither_torch_nor_transformers():
         (["--resume_from_checkpoint", "--overwrite_output_dir"], "choose one"),
         (["--dynamic_sampling", "--max_sampling_rounds", "0"], "max_sampling_rounds must be >= 1"),
         (["--task", "color_change", "--model", "tiny:gemma3"], "video task and tiny:gemma3 takes no video"),
+        # Image tools: names, a family that writes calls, room for a call in the completion, images only.
+        (
+            ["--tools", "zoom,blur", "--max_completion_length", "256"],
+            "--tools zoom,blur: Unknown image tool(s) ['blur']",
+        ),
+        (
+            ["--tools", "zoom", "--model", "tiny:gemma3", "--max_completion_length", "256"],
+            "tiny:gemma3 cannot write tool calls; use one of tiny:qwen2_vl",
+        ),
+        (["--tools", "zoom", "--task", "zoom"], "--tools needs --max_completion_length 128 or more (got 4)"),
+        (["--tools", "zoom", "--task", "motion", "--max_completion_length", "256"], "--tools with clips"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_status_2_with_nothing_written(tmp_path, capsys, monkeypatch, args, message):

@@ -21,6 +21,8 @@ from vlm_grpo.data import (
     answer_words,
     make_visual_reasoning_dataset,
 )
+from vlm_grpo.data.scene import shapes_for
+from vlm_grpo.data.tasks import TASK_SPECS
 
 DIFFICULTIES = (1, 2, 3)
 
@@ -98,7 +100,8 @@ def test_every_task_builds_with_schema(task: str, difficulty: int) -> None:
         assert isinstance(message["content"], str) and message["content"].endswith(".")
         for image in row["video"] if task in VIDEO_TASKS else [row["image"]]:
             assert isinstance(image, Image.Image)
-            assert image.size == (56, 56) and image.mode == "RGB"
+            side = TASK_SPECS[task].image_size  # the task's own canvas: 56, the zoom task's 448
+            assert image.size == (side, side) and image.mode == "RGB"
         assert isinstance(row["answer"], str)
         assert set(_tokens(row["answer"])) <= words, row["answer"]
 
@@ -282,3 +285,23 @@ def test_motion_answer_is_the_way_the_shape_moves(difficulty: int) -> None:
         end = np.nonzero(np.any(frames[-1] != BACKGROUND, axis=-1)[:, columns].any(axis=0))[0].mean()
         assert ("right" if end > start else "left") == row["answer"]
     assert set(ds["answer"]) == {"left", "right"}
+
+
+# ------------------------------------------------------------------------ zoom
+
+
+def _mark_widths(image: Image.Image) -> int:
+    """Columns of `image` that hold any pixel off the background: the mark's width."""
+    return int(np.any(np.abs(_pixels(image).astype(int) - BACKGROUND).sum(-1) > 24, axis=0).sum())
+
+
+@pytest.mark.parametrize("difficulty", DIFFICULTIES)
+def test_zoom_task_is_a_small_mark_of_each_kind_on_a_large_canvas(difficulty: int) -> None:
+    ds = make_visual_reasoning_dataset("zoom", 60, difficulty=difficulty)  # the task's own canvas, 448
+    assert {row["image"].size for row in ds} == {(448, 448)}
+    assert set(ds["answer"]) == set(answer_words("zoom", difficulty)) == set(shapes_for(difficulty))
+    widths = [_mark_widths(row["image"]) for row in ds]
+    assert 6 <= min(widths) and max(widths) <= 12 and max(widths) >= 1.3 * min(widths)  # sizes vary: area says little
+    # At a 112 x 112 budget (tiny Qwen2.5-VL's) the prompt's image keeps 1 pixel in 16: the mark is 2-3 px wide.
+    fitted = [_mark_widths(row["image"].resize((112, 112), Image.Resampling.BICUBIC)) for row in ds]
+    assert max(fitted) <= 4

@@ -7,6 +7,7 @@ import os
 import yaml
 
 from vlm_grpo.cli import parse_args
+from vlm_grpo.data.tasks import TASK_SPECS
 from vlm_grpo.demo import DEMO
 from vlm_grpo.trainer import VLMGRPOConfig
 
@@ -36,10 +37,11 @@ def test_cpu_recipe_is_the_demo_shortened():
 
 def test_command_defaults_are_the_demo(tmp_path):
     script, config = parse_args([])
-    assert {k: getattr(script, k) for k in ("model", "task", "difficulty", "train_size", "image_size")} == {
+    assert {k: getattr(script, k) for k in ("model", "task", "difficulty", "train_size")} == {
         "model": DEMO.model, "task": DEMO.task, "difficulty": DEMO.difficulty, "train_size": DEMO.train_size,
-        "image_size": DEMO.image_size,
     }  # fmt: skip
+    # No --image_size: the task's own canvas, the demo's for its task.
+    assert script.image_size is None and TASK_SPECS[DEMO.task].image_size == DEMO.image_size
     assert script.test_size is None  # means DEMO.test_size for a synthetic task, 0.1 of the rows for --dataset
     # The same values through VLMGRPOConfig's own normalisation (report_to "none" -> [], enums for strategies).
     expected = VLMGRPOConfig(use_cpu=True, **DEMO.training_args())

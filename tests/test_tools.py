@@ -9,6 +9,7 @@ update) is TRL's and the trainer's own code.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -17,7 +18,10 @@ from datasets import Dataset
 from PIL import Image
 from transformers.utils import get_json_schema
 
+from vlm_grpo.cli import main
+from vlm_grpo.media.pixel_budget import PixelBudget
 from vlm_grpo.model import FastVisionModel
+from vlm_grpo.rows import prepare_row, source_images
 from vlm_grpo.tools import MAX_PIXELS, ImageTools, crop_image, image_tools, rotate_image, zoom_image
 from vlm_grpo.tools.rollouts import MALFORMED_METRIC
 from vlm_grpo.tools.templates import QWEN2_5_VL_TOOL_TEMPLATE, prepare_tool_template
@@ -187,6 +191,33 @@ def test_a_family_whose_template_cannot_render_tools_is_refused_with_the_fix(tin
     processor = load_processor(tiny_dir("idefics3"), "idefics3")
     with pytest.raises(ValueError, match="idefics3 processor's chat template cannot render tools.*Set `processor.chat"):
         prepare_tool_template(processor, "idefics3", {"tools": [print]})
+
+
+def test_crop_and_zoom_cut_from_the_original_where_the_budget_shrank_it():
+    """The trainer keeps a row's image as loaded (`prepare_row(keep_sources=True)`); the tools take boxes in the
+    prompt's (fitted) image and cut the same region from the original: detail the prompt's image lost comes back."""
+    original = Image.new("RGB", (448, 448), (128, 128, 128))
+    for x in range(200, 216):  # 1-px red and blue stripes: grey mush at a quarter of the size
+        original.paste(RED if x % 2 else BLUE, (x, 200, x + 1, 216))
+    row = prepare_row({"prompt": "what?", "image": original}, PixelBudget(max_pixels=112 * 112), keep_sources=True)
+    assert row["images"][0].size == (112, 112) and source_images(row)[0].size == (448, 448)
+    env = ImageTools()
+    env.reset(**row)
+    image, text = env.zoom(48, 48, 56, 56, factor=4)  # frame pixels: (192, 192)-(224, 224) of the original
+    assert image["image"].size == (32, 32)
+    assert (
+        text["text"]
+        == "Zoom x4 of (48, 48, 56, 56) of the 112x112 image (cut from the 448x448 original): 32x32 pixels."
+    )
+    assert image["image"].getpixel((8 + 1, 16)) == RED and image["image"].getpixel((8 + 2, 16)) == BLUE  # stripes back
+    crop, text = env.crop(48, 48, 56, 56)
+    assert crop["image"].size == (32, 32) and "cut from the 448x448 original" in text["text"]  # original resolution
+    assert crop["image"].tobytes() == original.crop((192, 192, 224, 224)).tobytes()
+    # Without the original (plain TRL, or an image within the budget) the tools cut from the image they were given.
+    plain = ImageTools()
+    plain.reset(prompt="what?", images=row["images"])
+    blurred, text = plain.zoom(48, 48, 56, 56, factor=4)
+    assert "original" not in text["text"] and RED not in _colours(blurred["image"])
 
 
 # ----- real runs through TRL's tool loop -----
@@ -494,3 +525,21 @@ def test_a_tool_turn_the_fast_path_cannot_serve_falls_back_without_a_sampler_log
     assert recorder.completions[0][2] == {"role": "assistant", "content": "red"}  # TRL's path wrote the answer
     assert "a later turn this test's generator refuses" in caplog.text and "no importance sampling" in caplog.text
     assert math.isfinite(logs["loss"]) and math.isfinite(logs["sampling/sampling_logp_difference/mean"])
+
+
+@pytest.mark.trains
+def test_the_zoom_task_with_image_tools_runs_from_the_command_line(tmp_path, capsys):
+    """`vlm-grpo --task zoom --tools zoom`: the tiny model built with a tool tokenizer, one ImageTools per rollout, the
+    tool counts logged, accuracy said to be measured without tools. (A random tiny model writes no calls; the tool
+    loop itself is exercised by the forced-call runs above.)"""
+    out = tmp_path / "run"
+    args = ["--task", "zoom", "--tools", "zoom", "--max_completion_length", "160", "--max_steps", "2",
+            "--per_device_train_batch_size", "4", "--num_generations", "2", "--train_size", "8", "--test_size", "2",
+            "--logging_steps", "1", "--output_dir", str(out)]  # fmt: skip
+    assert main(args) == 0
+    printed = capsys.readouterr()
+    assert "measured in one turn, without tools" in printed.out and "environment_factory" not in printed.err
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in records if "tools/call_frequency" in r)
+    assert {"tools/failure_frequency", MALFORMED_METRIC} <= set(step)
+    assert "<tool_call>" in (out / "final" / "chat_template.jinja").read_text()  # the tool template, saved

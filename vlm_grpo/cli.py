@@ -25,6 +25,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
@@ -134,7 +135,7 @@ def _load(script: ScriptArguments, config: Any, words: list[str] | None) -> tupl
         # only); the other ranks load it once it is complete. Several machines need a shared output_dir for this.
         with config.main_process_first(local=False, desc="building the tiny model"):
             if config.process_index == 0:
-                build_tiny_vlm(family, path, seed=config.seed, words=words)
+                build_tiny_vlm(family, path, seed=config.seed, words=words, tools=bool(script.tools))
     # A Hub model's download and loading bars are worth seeing; the tiny model loads in no time.
     with library_bars_off() if tiny else contextlib.nullcontext():
         model, processor = FastBaseVisionModel.from_pretrained(
@@ -246,11 +247,20 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
         before = evaluate(model, processor, task.test, task.eval_funcs, **score)
         print(f"held-out accuracy before training: {before['accuracy']:.3f}  ({task.name}, {len(task.test)} prompts)"
               f"{_chance(task)}", flush=True)  # fmt: skip
+        if script.tools:
+            print("held-out accuracy is measured in one turn, without tools (the rollouts use them)", flush=True)
 
     metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
-    with library_bars_off():  # TRL loads the KL reference model again: a second "Loading weights" bar
+    tools = {}
+    if script.tools:  # one environment per rollout, over its row's image (vlm_grpo.tools)
+        from .tools import image_tools
+
+        tools["environment_factory"] = image_tools(script.tools)
+    # TRL's notice that `environment_factory` is experimental is for authors of environments, not for this command.
+    with library_bars_off(), warnings.catch_warnings():  # TRL loads the KL reference model again: a second bar
+        warnings.filterwarnings("ignore", "You are using 'environment_factory'", UserWarning)
         trainer = VLMGRPOTrainer(model=model, reward_funcs=task.reward_funcs, args=config, train_dataset=task.train,
-                                 processing_class=processor)  # fmt: skip
+                                 processing_class=processor, **tools)  # fmt: skip
     _show_progress(trainer, metrics_path, reward_name(task.accuracy))
     trainer.train(resume_from_checkpoint=resume)
     # Saved before the held-out evaluation, so a failure there cannot lose it.

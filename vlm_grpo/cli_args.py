@@ -52,10 +52,15 @@ MAIN_OPTIONS: dict[str, tuple[tuple[str, str, str], ...]] = {
         (
             "task",
             "NAME",
-            "color count spatial arithmetic locate position motion color_change",
+            "color count spatial arithmetic locate position motion color_change zoom",
         ),
         ("dataset", "SOURCE", "your data: Hub id, JSONL / CSV / Parquet file, image folder, save_to_disk dir"),
         ("prompt_column", "NAME", "your question column (also --image_column, --answer_column)"),
+        (
+            "tools",
+            "NAMES",
+            "image tools the model may call, e.g. zoom or crop,zoom (Qwen-VL, Qwen3.5; see docs/tools.md)",
+        ),
         ("reward_funcs", "NAME ...", "vlm_grpo.rewards names or pkg.mod:fn (default: the task's own; answer_choice)"),
         ("eval_split", "SPLIT", "held-out split for accuracy before/after (default: --test_size rows of --dataset)"),
         ("prompt_template", "TEXT", '"{prompt} ..." around each question (also --system_prompt)'),
@@ -108,7 +113,7 @@ class ScriptArguments:
         metadata={
             "help": "Synthetic task (without --dataset): color, count, spatial, arithmetic, locate, position, "
             "or a video task (Qwen-VL and Qwen3.5 models): motion (which way a shape moves), color_change (the "
-            "colour a shape turns)."
+            "colour a shape turns); zoom: a small mark on a large canvas, made for --tools zoom."
         },
     )
     difficulty: int = field(
@@ -123,7 +128,10 @@ class ScriptArguments:
                   " With --dataset and no --eval_split: a fraction (< 1) or a count of rows held out (default 0.1); "
                   "0: none."},
     )  # fmt: skip
-    image_size: int = field(default=DEMO.image_size, metadata={"help": "Side of the synthetic images, in pixels."})
+    image_size: int | None = field(
+        default=None,
+        metadata={"help": "Side of the synthetic images, in pixels (default: the task's own, 56; zoom: 448)."},
+    )
     dataset: str | None = field(
         default=None,
         metadata={"help": "Train on your own data: a Hub id, a directory from `save_to_disk`, a JSONL / CSV / Parquet "
@@ -168,6 +176,12 @@ class ScriptArguments:
                   "--reward_funcs). Default: the first of --reward_funcs that reads a gold answer column (a format "
                   "reward reads none); without --reward_funcs, the synthetic task's own reward, or the dataset's "
                   "default (answer_choice / answer_accuracy)."},
+    )  # fmt: skip
+    tools: str | None = field(
+        default=None,
+        metadata={"help": "Image tools the model may call in multi-turn rollouts, comma-separated: crop, zoom, rotate "
+                  "(vlm_grpo.tools; they act on the row's image). Qwen-VL and Qwen3.5 models; needs "
+                  "--max_completion_length of 128 or more (calls and tool images are part of the completion)."},
     )  # fmt: skip
     use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of all weights."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})

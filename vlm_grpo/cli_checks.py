@@ -37,6 +37,37 @@ def _check_video_task(script: ScriptArguments) -> None:
         )
 
 
+# A tool call (the template's wrapper, the tool's name and its arguments) and the tool's image tokens are part of the
+# completion: below this neither fits, and every rollout would end mid-call.
+MIN_TOOL_COMPLETION = 128
+
+
+def _check_tools(script: ScriptArguments, config: Any) -> None:
+    """`--tools`: known tool names, a family that writes tool calls, room in the completion, no clips; else refused
+    before anything is built."""
+    from .data.tasks import TASK_SPECS
+    from .tiny import tool_families
+    from .tools import image_tools
+
+    if not script.tools:
+        return
+    try:
+        image_tools(script.tools)
+    except ValueError as error:
+        raise UsageError(f"--tools {script.tools}: {error}") from error
+    tiny = script.model[len(TINY_PREFIX) :] if script.model.startswith(TINY_PREFIX) else None
+    if tiny is not None and tiny not in tool_families():
+        raise UsageError(f"--tools: {script.model} cannot write tool calls; use one of "
+                         f"{', '.join(TINY_PREFIX + f for f in tool_families())}.")  # fmt: skip
+    if config.max_completion_length < MIN_TOOL_COMPLETION:
+        raise UsageError(f"--tools needs --max_completion_length {MIN_TOOL_COMPLETION} or more (got "
+                         f"{config.max_completion_length}): the calls and the tools' images are part of the "
+                         "completion. 256 fits a call and a zoomed image on a tiny model.")  # fmt: skip
+    spec = TASK_SPECS.get(script.task) if script.dataset is None else None
+    if (spec is not None and spec.video) or script.video_column:
+        raise UsageError("--tools with clips is not supported: the tool loop takes images only.")
+
+
 def check_clips_family(script: ScriptArguments, train: Any) -> None:
     """A dataset with clips for a model whose family takes none, refused before the model loads (the trainer would
     refuse it only after). The family comes from the tiny name or the model's config (cheap: no weights)."""
@@ -86,6 +117,7 @@ def check_args(script: ScriptArguments, config: Any) -> None:
             f"Unknown tiny family {script.model[len(TINY_PREFIX) :]!r}; choose one of {', '.join(TINY_FAMILIES)}."
         )
     _check_video_task(script)
+    _check_tools(script, config)
     if script.model.startswith((".", "/", "~")) and not os.path.exists(os.path.expanduser(script.model)):
         raise UsageError(f"--model {script.model}: no such directory.")
     try:

@@ -49,6 +49,7 @@ __all__ = [
     "row_images",
     "rows_for_rewards",
     "source_image_sizes",
+    "source_images",
 ]
 
 logger = logging.getLogger(__name__)
@@ -219,6 +220,8 @@ def prepare_row(
     budget: PixelBudget | None = None,
     video_budget: VideoBudget | None = None,
     clip_memo: dict[str, Any] | None = None,
+    *,
+    keep_sources: bool = False,
 ) -> dict[str, Any]:
     """A copy of a dataset row ready for TRL's multimodal path (images) or the trainer's own (clips).
 
@@ -232,11 +235,14 @@ def prepare_row(
     image and video columns and image sizes are kept for `rows_for_rewards` and `source_image_sizes`. Rows without an
     image or video column are returned unchanged. `clip_memo` (a dict the caller keeps for one batch) loads a clip
     given by path once for all the rows that name it: TRL repeats every row for each of its generations.
+    `keep_sources` keeps the images as loaded, before fitting, for `source_images` (image tools cut from them).
     """
     media = load_row_media(row, budget, video_budget, clip_memo)
     if media is None:
         return dict(row)
     source = {"prompt": row.get("prompt"), "image_column": media.image_column, "image_sizes": media.source_sizes}
+    if keep_sources:
+        source["images"] = media.sources
     if media.video_column is not None:
         source.update(video_column=media.video_column, videos=row[media.video_column])
     row = {k: v for k, v in row.items() if k not in IMAGE_COLUMNS + VIDEO_COLUMNS}
@@ -252,6 +258,13 @@ def prepare_row(
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
     row["prompt"] = place_media(messages, media.images, media.clips)
     return row
+
+
+def source_images(row: dict[str, Any]) -> list[Image.Image] | None:
+    """The images of a `prepare_row(..., keep_sources=True)` result as loaded, before the pixel budget resized them;
+    None for a row prepared without them."""
+    source = row.get(_SOURCE)
+    return None if source is None else source.get("images")
 
 
 def source_image_sizes(row: dict[str, Any]) -> list[tuple[int, int]] | None:

@@ -155,6 +155,7 @@ SYNTHETIC_REWARDS: dict[str, Callable[[int], RewardFunc]] = {
     "position": _choice("position"),
     "motion": _choice("motion"),  # video tasks: which way the shape moves, what colour it ends up
     "color_change": _choice("color_change"),
+    "zoom": _choice("zoom"),  # the small mark's shape: made for image tools (`--tools zoom`)
 }
 
 
@@ -164,7 +165,7 @@ def synthetic_task(
     difficulty: int = DEMO.difficulty,
     train_size: int = DEMO.train_size,
     test_size: int = DEMO.test_size,
-    image_size: int = DEMO.image_size,
+    image_size: int | None = None,
     seed: int = DEMO.seed,
     system_prompt: str | None = None,
     prompt_template: str | None = None,
@@ -187,7 +188,7 @@ def synthetic_task(
         ValueError: an unknown task or difficulty, a template without `{prompt}`, or rewards whose answer columns
             the rows lack (`DatasetError`).
     """
-    check_task(name)
+    image_size = check_task(name).image_size if image_size is None else image_size
     if prompt_template is not None and "{prompt}" not in prompt_template:
         raise ValueError("prompt_template must contain {prompt}, where the question goes.")
     own = SYNTHETIC_REWARDS[name](difficulty)

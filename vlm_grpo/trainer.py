@@ -217,7 +217,8 @@ class VLMGRPOTrainer(GRPOTrainer):
     def _score_rollouts(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's generation and scoring of dataset rows `inputs` (each prompt repeated for its group)."""
         memo: dict[str, Any] = {}  # a clip file named by several rows (each of TRL's repeats) is decoded once
-        inputs = [prepare_row(row, self.pixel_budget, self.video_budget, memo) for row in inputs]
+        tools = self.environment_factories is not None  # image tools cut from the images as loaded (`vlm_grpo.tools`)
+        inputs = [prepare_row(row, self.pixel_budget, self.video_budget, memo, keep_sources=tools) for row in inputs]
         inputs = add_image_sizes(inputs, self.processing_class)  # grounding rewards map boxes back
         self._vision_rows = None  # set by `_tokenize_prompts` for a batch with clips
         try:

@@ -10,8 +10,9 @@ from datasets import Image as ImageFeature
 from PIL import Image
 
 from ..validation import is_int
+from .example import Example
 from .scene import render
-from .tasks import Example, TaskSpec, check_difficulty, check_task
+from .tasks import TaskSpec, check_difficulty, check_task
 
 SPLITS = ("train", "test")
 MIN_IMAGE_SIZE = 28
@@ -24,7 +25,7 @@ def make_visual_reasoning_dataset(
     n: int,
     *,
     seed: int = 0,
-    image_size: int = 56,
+    image_size: int | None = None,
     difficulty: int = 1,
     split: str = "train",
 ) -> Dataset:
@@ -35,7 +36,7 @@ def make_visual_reasoning_dataset(
         n: Number of rows (> 0).
         seed: Same (task, n, seed, image_size, difficulty, split) gives byte-identical rows.
         image_size: Side of the square images in pixels (>= 28; tasks are designed to
-            be legible from 56 up, e.g. 448).
+            be legible from 56 up, e.g. 448). None: the task's own (56; ``"zoom"``: 448).
         difficulty: 1 (easiest) to 3; controls colours, shape kinds, object counts,
             object sizes and distractors.
         split: ``"train"`` or ``"test"`` (about 80/20 of all possible images). Every
@@ -54,6 +55,7 @@ def make_visual_reasoning_dataset(
     """
     spec = check_task(task)
     check_difficulty(difficulty)
+    image_size = spec.image_size if image_size is None else image_size
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
     if not is_int(n) or n <= 0:

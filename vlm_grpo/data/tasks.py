@@ -9,12 +9,11 @@ answer distribution flat.
 
 from __future__ import annotations
 
-import functools
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
+from .example import Example, Redraw, retry
 from .scene import (
     COLORS,
     INK,
@@ -31,6 +30,7 @@ from .scene import (
     random_box,
     shapes_for,
 )
+from .zoom_task import ZOOM_IMAGE_SIZE, zoom_answers, zoom_example
 
 DIFFICULTIES = (1, 2, 3)
 _DIRECTIONS = ("left", "right")
@@ -40,34 +40,6 @@ _MAX_COUNT = {1: 4, 2: 5, 3: 6}
 _MAX_DIGIT = {1: 4, 2: 9, 3: 9}
 
 
-@dataclass(frozen=True)
-class Example:
-    """One sampled task instance, before rendering: one scene, or one per frame of a clip (`frames`)."""
-
-    items: tuple[Item, ...]
-    question: str
-    answer: str
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
-    frames: tuple[tuple[Item, ...], ...] = ()
-
-
-class _Redraw(Exception):
-    """The sampled layout did not fit; the caller samples a fresh scene."""
-
-
-def _retry(generate: Callable[[random.Random, int, int], Example]) -> Callable[..., Example]:
-    @functools.wraps(generate)
-    def wrapper(rng: random.Random, image_size: int, difficulty: int) -> Example:
-        for _ in range(1000):
-            try:
-                return generate(rng, image_size, difficulty)
-            except _Redraw:
-                continue
-        raise RuntimeError(f"{generate.__name__}: could not lay out a scene at {image_size}px")
-
-    return wrapper
-
-
 def _plural(kind: str) -> str:
     return kind + "s"
 
@@ -75,14 +47,14 @@ def _plural(kind: str) -> str:
 def _placed(rng: random.Random, size: int, sides: list[int], taken: list[Box], gap: int) -> list[Box]:
     boxes = place_boxes(rng, size, [(s, s) for s in sides], taken, gap)
     if boxes is None:
-        raise _Redraw
+        raise Redraw
     return boxes
 
 
 # ------------------------------------------------------------------------ color
 
 
-@_retry
+@retry
 def _color(rng: random.Random, size: int, difficulty: int) -> Example:
     """One large filled shape; chance level is 1 / number of colours (0.25 at level 1)."""
     low, high, margin = {1: (0.45, 0.7, 0.08), 2: (0.35, 0.6, 0.05), 3: (0.2, 0.5, 0.0)}[difficulty]
@@ -96,7 +68,7 @@ def _color(rng: random.Random, size: int, difficulty: int) -> Example:
 # ------------------------------------------------------------------------ count
 
 
-@_retry
+@retry
 def _count(rng: random.Random, size: int, difficulty: int) -> Example:
     """Shapes on a jittered grid; count those of one colour (and, at level 3, one kind)."""
     count = rng.randint(0 if difficulty > 1 else 1, _MAX_COUNT[difficulty])
@@ -146,7 +118,7 @@ def _relation(a: Box, b: Box) -> str | None:
     return None
 
 
-@_retry
+@retry
 def _spatial(rng: random.Random, size: int, difficulty: int) -> Example:
     """Two named shapes in a clear left/right/above/below relation, plus distractors."""
     relation = rng.choice(_RELATIONS)
@@ -161,7 +133,7 @@ def _spatial(rng: random.Random, size: int, difficulty: int) -> Example:
         if not overlaps(a, b, gap) and _relation(a, b) == relation:
             break
     else:
-        raise _Redraw
+        raise Redraw
     items = [
         Shape(rng.choice(kinds), COLORS[first], a),
         Shape(rng.choice(kinds), COLORS[second], b),
@@ -182,7 +154,7 @@ def _spatial(rng: random.Random, size: int, difficulty: int) -> Example:
 # ------------------------------------------------------------------- arithmetic
 
 
-@_retry
+@retry
 def _arithmetic(rng: random.Random, size: int, difficulty: int) -> Example:
     """Two digits, one per image half, drawn large with PIL's default font; answer their sum."""
     top = _MAX_DIGIT[difficulty]
@@ -198,7 +170,7 @@ def _arithmetic(rng: random.Random, size: int, difficulty: int) -> Example:
         margin = px(0.04, size, 1)
         x_lo, x_hi = i * half + margin, (i + 1) * half - width - margin
         if x_hi < x_lo:
-            raise _Redraw
+            raise Redraw
         x1 = rng.randint(x_lo, x_hi)
         y1 = rng.randint(margin, size - height - margin)
         color = INK if difficulty < 3 else COLORS[rng.choice(colors_for(3))]
@@ -216,7 +188,7 @@ def _arithmetic(rng: random.Random, size: int, difficulty: int) -> Example:
 # ----------------------------------------------------------------------- locate
 
 
-@_retry
+@retry
 def _locate(rng: random.Random, size: int, difficulty: int) -> Example:
     """Bounding box of the one shape with a named colour and kind, among distractors."""
     colors, kinds = colors_for(difficulty), shapes_for(difficulty)
@@ -251,7 +223,7 @@ def _locate(rng: random.Random, size: int, difficulty: int) -> Example:
 # --------------------------------------------------------------------- position
 
 
-@_retry
+@retry
 def _position(rng: random.Random, size: int, difficulty: int) -> Example:
     """A single dot in the left, middle or right third of the image."""
     answer = rng.choice(_POSITIONS)
@@ -277,7 +249,7 @@ def _position(rng: random.Random, size: int, difficulty: int) -> Example:
 MOTION_FRAMES = 4  # two of Qwen-VL's temporal steps (it pairs frames)
 
 
-@_retry
+@retry
 def _motion(rng: random.Random, size: int, difficulty: int) -> Example:
     """A clip of one shape sliding left or right across the frames (a video task: `Example.frames`).
 
@@ -307,7 +279,7 @@ def _motion(rng: random.Random, size: int, difficulty: int) -> Example:
     return Example(frames[0], question, answer, frames=frames)
 
 
-@_retry
+@retry
 def _color_change(rng: random.Random, size: int, difficulty: int) -> Example:
     """A clip of one shape that turns from one colour to another: what colour is it at the end? (a video task).
 
@@ -349,6 +321,7 @@ class TaskSpec:
     generate: Callable[[random.Random, int, int], Example]
     words: Callable[[int, int], list[str]]  # (difficulty, image_size) -> answer words
     video: bool = False  # its rows hold a clip (`video`), not an image
+    image_size: int = 56  # the canvas it is made for: make_visual_reasoning_dataset's default for it
 
 
 TASK_SPECS: dict[str, TaskSpec] = {
@@ -361,6 +334,8 @@ TASK_SPECS: dict[str, TaskSpec] = {
     "position": TaskSpec(_position, lambda d, s: list(_POSITIONS)),
     "motion": TaskSpec(_motion, lambda d, s: list(_DIRECTIONS), video=True),
     "color_change": TaskSpec(_color_change, lambda d, s: colors_for(d), video=True),
+    # A small mark on a large canvas, for image tools (`--tools zoom`): vlm_grpo.data.zoom_task.
+    "zoom": TaskSpec(zoom_example, lambda d, s: zoom_answers(d), image_size=ZOOM_IMAGE_SIZE),
 }
 
 TASKS: tuple[str, ...] = tuple(TASK_SPECS)

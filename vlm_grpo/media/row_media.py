@@ -34,6 +34,8 @@ class RowMedia:
         image_column: `image`, `images` or None.
         video_column: `video`, `videos` or None.
         source_sizes: `(width, height)` of each image as the dataset holds it (upright, before any resizing).
+        sources: the row's images loaded and normalised but not fitted (the same objects as `images` where the budget
+            left them alone): what image tools cut from (`vlm_grpo.tools`).
     """
 
     images: list[Image.Image]
@@ -41,6 +43,7 @@ class RowMedia:
     image_column: str | None
     video_column: str | None
     source_sizes: list[tuple[int, int]]
+    sources: list[Image.Image]
 
 
 def load_row_media(
@@ -80,4 +83,4 @@ def load_row_media(
             if key not in clip_memo:
                 clip_memo[key] = video_budget.load(value)
             clips.append(clip_memo[key])
-    return RowMedia(fitted, clips, column, clip_column, [image.size for image in images])
+    return RowMedia(fitted, clips, column, clip_column, [image.size for image in images], images)

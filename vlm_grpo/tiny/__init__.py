@@ -9,7 +9,7 @@ model (`tiny.build.build_tiny_vlm`). For tool calling (`tools=True`, Qwen famili
 that decodes text back exactly, with the family's shipped chat template.
 """
 
-from .build import TINY_FAMILIES, build_tiny_vlm
+from .build import TINY_FAMILIES, build_tiny_vlm, tool_families
 from .tokenizer import MAX_LEARNABLE_WORDS, build_word_level_tokenizer, offline_learning_note, split_words
 
 __all__ = [
@@ -19,4 +19,5 @@ __all__ = [
     "build_word_level_tokenizer",
     "offline_learning_note",
     "split_words",
+    "tool_families",
 ]

@@ -19,7 +19,7 @@ from ..families import model_types
 from . import gemma3, glm4v, idefics3, internvl, lfm2_vl, llava_onevision, mistral3, paligemma, qwen, smolvlm
 from .tokenizer import build_text_tokenizer, build_tokenizer
 
-__all__ = ["TINY_FAMILIES", "build_tiny_vlm"]
+__all__ = ["TINY_FAMILIES", "build_tiny_vlm", "tool_families"]
 
 # Families whose tokenizer transformers rebuilds on load as a byte-level BPE (`Qwen3_5Tokenizer`).
 _BYTE_LEVEL_ON_LOAD = frozenset({"qwen3_5", "qwen3_5_moe"})
@@ -42,6 +42,11 @@ def _init_zero_projections(model: torch.nn.Module) -> None:
         for name, param in model.named_parameters():
             if "projector" in name and param.dim() == 2 and not param.any():
                 param.normal_(0.0, param.shape[0] ** -0.5)
+
+
+def tool_families() -> list[str]:
+    """The tiny families `build_tiny_vlm(..., tools=True)` builds: those whose chat template writes tool calls."""
+    return [name for name, builder in _BUILDERS.items() if hasattr(builder, "tool_tokenizer")]
 
 
 def build_tiny_vlm(
@@ -83,9 +88,8 @@ def build_tiny_vlm(
     if any(len(w.split()) != 1 for w in extra):
         raise ValueError("`words` must be single words without spaces (each becomes one token).")
     if tools:
-        if not hasattr(builder, "tool_tokenizer"):
-            tool_families = [n for n, b in _BUILDERS.items() if hasattr(b, "tool_tokenizer")]
-            raise ValueError(f"tools=True builds {', '.join(tool_families)}, not {family!r}.")
+        if family not in tool_families():
+            raise ValueError(f"tools=True builds {', '.join(tool_families())}, not {family!r}.")
         spec = builder.tool_tokenizer(family)
     # transformers loads every Qwen3.5 tokenizer as its own byte-level BPE class, whatever the folder says: a
     # word-level one would come back garbled ("red blue" -> no ids). Those families get the byte-level build.

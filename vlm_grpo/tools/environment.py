@@ -9,6 +9,9 @@ returns to the model as `{"error": ...}` and counts in `tools/failure_frequency`
 The coordinate frame is the pixels of the image `reset` received: under `VLMGRPOTrainer`, the row's first image after
 the trainer fitted it to the pixel budget (`max_pixels`), the image the prompt shows; x right, y down, (0, 0) the
 top-left corner, `x2` / `y2` exclusive (`vlm_grpo.tools.limits`). Each result's text names the size it came from.
+`crop` and `zoom` cut from the image as the dataset holds it where the budget shrank it (the trainer keeps it for them,
+`vlm_grpo.rows.source_images`): the box is mapped onto it, so a zoom shows detail the prompt's image lost, as
+DeepEyes' zoom-in tool does.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from typing import Any
 from PIL import Image
 
 from ..media.images import load_rgb_images
+from ..rows import source_images
 from .crop import crop_image
-from .limits import MAX_PIXELS
+from .limits import MAX_PIXELS, pixel_box
 from .rotate import rotate_image
 from .zoom import zoom_image
 
@@ -34,6 +38,7 @@ class _ImageEnvironment:
 
     def __init__(self) -> None:
         self._image: Image.Image | None = None
+        self._original: Image.Image | None = None  # the row's image before the pixel budget shrank it, if it did
 
     def reset(self, **row: Any) -> None:
         """Take the row's first image (`images`, as `VLMGRPOTrainer` and TRL pass it, or `image`); the prompt is left
@@ -46,6 +51,26 @@ class _ImageEnvironment:
                 "list). Drop the text-only rows, or give text tools with `tools=[...]` instead."
             )
         self._image = images[0]
+        originals = source_images(row)
+        larger = originals and originals[0].width * originals[0].height > self._image.width * self._image.height
+        self._original = load_rgb_images(originals[:1])[0] if larger else None
+
+    def _finer(
+        self, out: Image.Image, box: tuple[int, int, int, int], size: tuple[int, int] | None = None
+    ) -> tuple[Image.Image, str]:
+        """`out` (cut from the prompt's image) again from the original, where the budget shrank it, and the words
+        saying so: the frame's `box` mapped onto the original, resampled to `size` (default: the box at the original's
+        resolution, shrunk to `max_pixels` if over)."""
+        if self._original is None:
+            return out, ""
+        sx, sy = self._original.width / self._image.width, self._original.height / self._image.height
+        scaled = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+        if size is None:
+            width, height = scaled[2] - scaled[0], scaled[3] - scaled[1]
+            shrink = min(1.0, (self.max_pixels / (width * height)) ** 0.5)
+            size = (max(1, round(width * shrink)), max(1, round(height * shrink)))
+        finer = self._original.resize(size, Image.Resampling.BICUBIC, box=scaled)
+        return finer, f" (cut from the {self._original.width}x{self._original.height} original)"
 
     def _result(self, image: Image.Image, text: str) -> list[dict[str, Any]]:
         """TRL's multimodal tool response: the image, then what it is."""
@@ -72,8 +97,9 @@ class ImageTools(_ImageEnvironment):
         """
         image = self._source()
         out = crop_image(image, x1, y1, x2, y2, self.max_pixels)
-        return self._result(out, f"Crop ({x1}, {y1}, {x2}, {y2}) of the {image.width}x{image.height} image: "
-                                 f"{out.width}x{out.height} pixels.")  # fmt: skip
+        out, origin = self._finer(out, pixel_box(x1, y1, x2, y2, image.size))
+        return self._result(out, f"Crop ({x1}, {y1}, {x2}, {y2}) of the {image.width}x{image.height} image"
+                                 f"{origin}: {out.width}x{out.height} pixels.")  # fmt: skip
 
     def zoom(self, x1: int, y1: int, x2: int, y2: int, factor: float = 2) -> list:
         """Crop the image to a box and enlarge it, to see small details.
@@ -87,8 +113,9 @@ class ImageTools(_ImageEnvironment):
         """
         image = self._source()
         out = zoom_image(image, x1, y1, x2, y2, factor, self.max_pixels)
+        out, origin = self._finer(out, pixel_box(x1, y1, x2, y2, image.size), out.size)
         return self._result(out, f"Zoom x{factor} of ({x1}, {y1}, {x2}, {y2}) of the {image.width}x{image.height} "
-                                 f"image: {out.width}x{out.height} pixels.")  # fmt: skip
+                                 f"image{origin}: {out.width}x{out.height} pixels.")  # fmt: skip
 
     def rotate(self, degrees: float) -> list:
         """Rotate the whole image, e.g. to read sideways text.
