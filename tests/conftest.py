@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -14,6 +15,9 @@ from deprecation_guard import no_deprecated_calls_from_our_code  # noqa: F401 (a
 torch.set_num_threads(1)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Compiled code the trainer keeps for later runs (`vlm_grpo.engine.compile_cache`) goes to a temporary folder, not the
+# home directory of whoever runs the tests.
+os.environ.setdefault("VLM_GRPO_CACHE", tempfile.mkdtemp(prefix="vlm-grpo-test-cache-"))
 _install_deprecation_guard()
 
 

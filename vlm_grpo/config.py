@@ -178,6 +178,13 @@ class VLMGRPOConfig(GRPOConfig):
                   "torch_compile, Unsloth, reentrant checkpointing and for 4-bit / 8-bit models. Module hooks added "
                   "inside these layers after the first step do not run in the training forward: False for those."},
     )  # fmt: skip
+    compile_cache_dir: str | None = field(
+        default=None,
+        metadata={"help": "Where compiled code is kept for later runs, on this machine or another (torch's portable "
+                  "compile caches, keyed by versions, GPU and architecture; also saved beside each checkpoint), so "
+                  "a run's first step does not compile again. None: $VLM_GRPO_CACHE/compile or "
+                  "~/.cache/vlm_grpo/compile; \"none\": off. See vlm_grpo.engine.compile_cache."},
+    )  # fmt: skip
     shared_prefix: bool = field(
         default=True,
         metadata={"help": "Compute each group's prompt and images once when scoring and training (the G completions "

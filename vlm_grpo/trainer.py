@@ -51,6 +51,7 @@ from .compat import check_trl_device_support, is_checkpointing, quiet_third_part
 from .config import VLMGRPOConfig
 from .dynamic_sampling import DynamicSampler, DynamicSamplingState
 from .engine.adapters_off import AdaptersOff, is_fresh_lora, layers_to_switch
+from .engine.compile_cache import CompileCache
 from .engine.compiled_layers import CompiledLayers
 from .engine.vision_attention import pack_vision_attention
 from .families import core_model, find_family
@@ -145,6 +146,8 @@ class VLMGRPOTrainer(GRPOTrainer):
             self.ref_model = AdaptersOff(lambda: self.model, layers)
         self.compiled_layers = CompiledLayers()
         self._compile_layers()
+        self.compile_cache = CompileCache.for_trainer(unwrapped, getattr(args, "compile_cache_dir", None))
+        self.add_callback(self.compile_cache)  # saves what the steps compile, for the next run
         self.dynamic_sampler = (
             DynamicSampler(self, self._score_rollouts) if getattr(args, "dynamic_sampling", False) else None
         )
@@ -173,6 +176,7 @@ class VLMGRPOTrainer(GRPOTrainer):
         if self.dynamic_sampler is not None:
             self.dynamic_sampler.restart()
         self._compile_layers()  # for this run only: afterwards the model's own forwards, for whatever uses it next
+        self.compile_cache.load(resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None)
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
