@@ -89,8 +89,15 @@ def parse_args(argv=None):
     p.add_argument("--warmup_steps", type=int, default=1,
                    help="first steps of each run left out of the medians (compilation; for about a minute after one "
                    "the host is slower, see docs/benchmarks.md)")  # fmt: skip
-    p.add_argument("--steps_trl", type=int, default=None, help="steps for the trl / trl-static runs (default: --steps)")
-    p.add_argument("--rounds", type=int, default=1, help="alternating rounds of all trainers")
+    p.add_argument("--steps_trl", type=int, default=None,
+                   help="steps for the trl / trl-static runs (default: enough for 3 measured steps, or --steps if more; "
+                   "TRL's own step varies up to 1.6x between steps)")  # fmt: skip
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="alternating rounds of all trainers (2: every ratio from two invocations' worth of runs)",
+    )
     p.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA r=16 on all linear layers")
     p.add_argument("--no_gradient_checkpointing", action="store_true")
     p.add_argument("--load_in_4bit", action="store_true")
@@ -119,6 +126,11 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------------------------- worker process
+
+
+def _trl_steps(args) -> int:
+    """TRL's runs: `--steps_trl`, else at least 3 steps measured after the warm-up ones."""
+    return args.steps_trl if args.steps_trl is not None else max(args.steps, args.warmup_steps + 3)
 
 
 def _dataset(args):
@@ -172,7 +184,7 @@ def run_worker(args) -> None:
         num_generations=args.num_generations, max_completion_length=args.completion_length,
         generation_kwargs={"min_new_tokens": args.completion_length}, beta=args.beta,
         **checkpointing_settings(not args.no_gradient_checkpointing), bf16=on_gpu, use_cpu=not on_gpu, learning_rate=1e-6,
-        max_steps=args.steps if trainer_name in VLM_VARIANTS or args.steps_trl is None else args.steps_trl, logging_steps=1, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
+        max_steps=args.steps if trainer_name in VLM_VARIANTS else _trl_steps(args), logging_steps=1, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
     )  # fmt: skip
     dataset = _dataset(args)
     if args.video_frames:  # every frame kept: the clip is the benchmark's input, not the sampler's choice

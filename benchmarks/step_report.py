@@ -35,7 +35,7 @@ def markdown(summaries: dict, args, env: dict, variants: dict) -> str:
             f"gradient checkpointing {'off' if args.no_gradient_checkpointing else 'on'}, "
             f"{'4-bit' if args.load_in_4bit else '8-bit' if args.load_in_8bit else 'bf16'}, beta {args.beta}"
             f"{f', GPU memory capped at {args.memory_cap_gib:g} GiB' if args.memory_cap_gib else ''}; "
-            f"median of steps {args.warmup_steps + 1}..{args.steps} (TRL: 2..{args.steps_trl or args.steps})"
+            f"median of steps {args.warmup_steps + 1}..{args.steps} (TRL: {args.warmup_steps + 1}..{args.steps_trl or max(args.steps, args.warmup_steps + 3)})"
             f"{f', step {args.profile_step}+ profiled, not timed' if args.profile_step else ''}")  # fmt: skip
     versions = f"torch {env['torch']}, transformers {env['transformers']}, trl {env['trl']}, peft {env['peft']}"
     columns = ("| trainer | step s | generation s | scoring s | training s | gen tok/s | ms/token | peak GiB "

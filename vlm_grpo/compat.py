@@ -136,15 +136,27 @@ def quiet_third_party_checkpointing_deprecations() -> Iterator[None]:
         yield
 
 
+def _cpu_packed_4bit(model: Any) -> bool:
+    """Whether a bitsandbytes 4-bit layer of `model` is, or will be at its first inference forward, in the CPU-only
+    AVX512-BF16 layout (`support_avx512bf16_for_cpu`, `quant_state.packing_format_for_cpu`, bitsandbytes 0.49)."""
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            return True
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if getattr(state, "packing_format_for_cpu", False):
+            return True
+    return False
+
+
 def check_trl_device_support(device: Any, model: Any = None) -> None:
     """Refuse, before the first step, a TRL that cannot compute GRPO log-probs on `device` (a `torch.device`), and
-    training a bitsandbytes-quantised `model` there on a CPU: its CPU backend loads and generates, but its 4-bit matmul
-    fails in training (an in-place bias add on a view, bitsandbytes 0.49)."""
-    method = getattr(getattr(model, "get_base_model", lambda: model)(), "quantization_method", None)
-    if device.type == "cpu" and str(getattr(method, "value", method)) == "bitsandbytes":
+    training a bitsandbytes 4-bit `model` on a CPU that repacks its weights for inference (AVX512-BF16): the matmul in
+    that layout fails in training (an in-place bias add on a view, bitsandbytes 0.49)."""
+    if device.type == "cpu" and model is not None and _cpu_packed_4bit(model):
         raise RuntimeError(
-            "Training a 4-bit / 8-bit (bitsandbytes) model needs a CUDA GPU: bitsandbytes' CPU backend fails in "
-            "training. Train on a GPU, or load the model in 16/32-bit (load_in_4bit=False, load_in_8bit=False)."
+            "Training this 4-bit (bitsandbytes) model on this CPU fails: on a CPU with AVX512-BF16 bitsandbytes "
+            "repacks 4-bit weights into an inference-only layout at the first forward without gradients, and its "
+            "matmul in that layout cannot train. Train on a GPU, or load the model in 16/32-bit (load_in_4bit=False)."
         )
     import trl
     from packaging.version import Version
