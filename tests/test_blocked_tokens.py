@@ -185,6 +185,16 @@ def test_blocked_ids_and_refusals():
     assert BLOCKED_LOGIT * 2 > torch.finfo(torch.float16).min  # representable in an fp16 tile
 
 
+def test_settings_that_reweight_by_context_are_said(caplog):
+    with caplog.at_level("WARNING", logger="vlm_grpo.blocked_tokens"):
+        check_blocking_settings(GenerationConfig(repetition_penalty=1.0, no_repeat_ngram_size=0))
+        assert not caplog.records  # neutral values: the sampler's distribution is the policy's
+        check_blocking_settings(GenerationConfig(repetition_penalty=1.2, sequence_bias=[[[5, 6], 2.0]]))
+    (record,) = caplog.records
+    assert "sequence_bias=[[[5, 6], 2.0]]" in record.getMessage() and "repetition_penalty=1.2" in record.getMessage()
+    assert "sampling/sampling_logp_difference" in record.getMessage()
+
+
 @pytest.mark.trains
 def test_a_multi_token_bad_word_is_refused_at_init(tiny_dir, tmp_path):
     with pytest.raises(ValueError, match="single tokens"):

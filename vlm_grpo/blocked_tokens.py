@@ -81,6 +81,12 @@ def blocked_ids(generation_config: Any) -> tuple[int, ...]:
     return tuple(sorted(int(i) for i in ids))
 
 
+# Generation settings that reshape the sampler's distribution by the context (their neutral values): a logits
+# processor the loss cannot apply, so said once when set.
+_BY_CONTEXT = {"sequence_bias": None, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+               "encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0}  # fmt: skip
+
+
 def check_blocking_settings(generation_config: Any) -> None:
     """Refuse blocks the loss cannot apply (they depend on the position or on earlier tokens), naming the fix.
 
@@ -98,6 +104,15 @@ def check_blocking_settings(generation_config: Any) -> None:
         raise ValueError(
             "begin_suppress_tokens blocks tokens at the first completion position only, which the loss cannot apply "
             "to its softmax. Remove it, or block the tokens everywhere with suppress_tokens."
+        )
+    reshaped = [f"{name}={getattr(generation_config, name)!r}"[:60] for name, neutral in _BY_CONTEXT.items()
+                if getattr(generation_config, name, neutral) not in (neutral, None)]  # fmt: skip
+    if reshaped:
+        logger.warning(
+            "%s: generation reweights tokens by the tokens before them, which the loss's softmax does not: the loss "
+            "scores the policy's own distribution (as TRL does), not the one sampled from. The gap is logged as "
+            "sampling/sampling_logp_difference; fast_generation_importance_sampling=True corrects for it.",
+            ", ".join(reshaped),
         )
     if (getattr(generation_config, "min_new_tokens", None) or 0) > 0 and not _eos_everywhere(generation_config):
         logger.warning(
