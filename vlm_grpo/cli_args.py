@@ -52,15 +52,11 @@ MAIN_OPTIONS: dict[str, tuple[tuple[str, str, str], ...]] = {
         (
             "task",
             "NAME",
-            "color count spatial arithmetic locate position motion color_change zoom",
+            "color (default) count spatial arithmetic locate position motion color_change zoom",
         ),
         ("dataset", "SOURCE", "your data: Hub id, JSONL / CSV / Parquet file, image folder, save_to_disk dir"),
         ("prompt_column", "NAME", "your question column (also --image_column, --answer_column)"),
-        (
-            "tools",
-            "NAMES",
-            "image tools the model may call, e.g. zoom or crop,zoom (Qwen-VL, Qwen3.5; see docs/tools.md)",
-        ),
+        ("tools", "NAMES", "image tools the model may call: crop, zoom, rotate (Qwen-VL, Qwen3.5)"),
         ("reward_funcs", "NAME ...", "vlm_grpo.rewards names or pkg.mod:fn (default: the task's own; answer_choice)"),
         ("eval_split", "SPLIT", "held-out split for accuracy before/after (default: --test_size rows of --dataset)"),
         ("prompt_template", "TEXT", '"{prompt} ..." around each question (also --system_prompt)'),
