@@ -20,13 +20,13 @@ from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
 TRAINED_FAMILIES = [
     "qwen2_5_vl", "qwen3_vl", "gemma3", "idefics3", "llava_onevision", "paligemma", "glm4v", "glm46v", "internvl",
-    "smolvlm", "mistral3", "qwen3_5", "qwen3_5_moe", "lfm2_vl",
+    "smolvlm", "mistral3", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "lfm2_vl",
 ]  # fmt: skip
 # Families whose fast generation falls back to TRL's `generate`, with the reason (none today).
 FAST_GENERATION_FALLBACKS: dict[str, str] = {}
 # Families whose shared-prefix scoring falls back, with the reason: TRL adds the MoE router's load-balancing loss
 # (`router_aux_loss_coef` non-zero, as in the real checkpoints), which needs its unpacked rows.
-SHARED_PREFIX_FALLBACKS = {"qwen3_5_moe": "load-balancing loss"}
+SHARED_PREFIX_FALLBACKS = {"qwen3_vl_moe": "load-balancing loss", "qwen3_5_moe": "load-balancing loss"}
 
 
 def _rows() -> list[dict]:

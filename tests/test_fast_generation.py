@@ -20,7 +20,7 @@ from vlm_grpo.model import FastVisionModel
 from vlm_grpo.rows import prepare_row
 from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "idefics3", "qwen3_5", "qwen3_5_moe", "lfm2_vl",
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3", "qwen3_5", "qwen3_5_moe", "lfm2_vl",
             "llava_onevision", "paligemma", "glm4v", "glm46v", "internvl", "smolvlm", "mistral3"]  # fmt: skip
 
 

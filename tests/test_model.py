@@ -41,6 +41,14 @@ EXPECTED = {
         LANG_ATTN,
         LANG_MLP,
     ),
+    "qwen3_vl_moe": (
+        {"model.visual.blocks.N.attn.qkv", "model.visual.blocks.N.attn.proj"},
+        {"model.visual.blocks.N.mlp.linear_fc1", "model.visual.blocks.N.mlp.linear_fc2",
+         "model.visual.merger.linear_fc1", "model.visual.merger.linear_fc2",
+         "model.visual.deepstack_merger_list.N.linear_fc1", "model.visual.deepstack_merger_list.N.linear_fc2"},
+        LANG_ATTN,
+        set(),  # every MLP is routed experts in fused 3-D weights: LoRA as parameters (`expert_parameters`)
+    ),
     "gemma3": (
         {f"model.vision_tower.encoder.layers.N.{p}" for p in SIGLIP_ATTN},
         {"model.vision_tower.encoder.layers.N.mlp.fc1", "model.vision_tower.encoder.layers.N.mlp.fc2"},

@@ -14,6 +14,7 @@ EXPECTED_TYPES = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "gemma3": "Gemma3ForConditionalGeneration",
     "idefics3": "Idefics3ForConditionalGeneration",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",

@@ -64,10 +64,10 @@ def test_config_defaults_are_vlm_friendly(tmp_path):
 @pytest.mark.trains
 @pytest.mark.parametrize(
     "family, steps, bar",
-    # The acceptance bar: tiny Qwen2.5-VL goes to >= 0.8; other families pass looser bars. Tiny Qwen3.5's tokenizer is
-    # byte-level (transformers loads every Qwen3.5 tokenizer as one): 455 ids where the word-level ones have ~120, so
-    # a random model finds the answers less often (0.05 -> 0.78 in 400 steps).
-    [("qwen2_5_vl", 400, 0.8), ("idefics3", 300, 0.6), ("qwen3_5", 400, 0.7)],
+    # The acceptance bar: tiny Qwen2.5-VL and Qwen3.5 go to >= 0.8; Idefics3 passes a looser bar in fewer steps. Tiny
+    # Qwen3.5's tokenizer is byte-level (transformers loads every Qwen3.5 tokenizer as one): 455 ids where the
+    # word-level ones have ~120, so a random model finds the answers less often and needs more steps (0.78 at 400).
+    [("qwen2_5_vl", 400, 0.8), ("idefics3", 300, 0.6), ("qwen3_5", 500, 0.8)],
 )
 def test_learns_colour_task_from_random_init(tiny_dir, tmp_path, family, steps, bar):
     """Real training from random init: held-out accuracy <= 0.35 before (chance is 0.25), >= `bar` after."""

@@ -172,9 +172,8 @@ _QWEN3_VL = dataclasses.replace(
     _QWEN2_VL, model_type="qwen3_vl", processor_class="Qwen3VLProcessor", video_processor="Qwen3VLVideoProcessor",
     video_budget="clip", dict_mask=False,
 )  # fmt: skip
-# The mixture-of-experts text model under the same vision side. Not served by shared-prefix scoring yet: it has no
-# tiny model to check it against.
-_QWEN3_VL_MOE = dataclasses.replace(_QWEN3_VL, model_type="qwen3_vl_moe", shared_prefix=False, tiny=False)
+# The mixture-of-experts text model (Qwen3-VL-30B-A3B) under the same vision side.
+_QWEN3_VL_MOE = dataclasses.replace(_QWEN3_VL, model_type="qwen3_vl_moe")
 # Qwen3.5: Qwen3-VL's processor, positions and video, over a hybrid text model whose linear-attention layers (gated
 # delta rule: a convolution and a recurrent state) cannot be packed behind a shared prompt with a 4-D mask; shared-prefix
 # scoring continues each group's prompt cache instead (`vlm_grpo.engine.prefix_cache`). The MoE variant routes experts.

@@ -42,10 +42,11 @@ _TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_respon
 # the no-thinking variant, the MoE the thinking one.
 _SHIPPED_TEMPLATES = {
     "qwen2_vl": "qwen2_5_vl_chat_template", "qwen2_5_vl": "qwen2_5_vl_chat_template",
-    "qwen3_vl": "qwen3_vl_chat_template", "qwen3_5": "qwen3_5_nothink_chat_template",
+    "qwen3_vl": "qwen3_vl_chat_template", "qwen3_vl_moe": "qwen3_vl_chat_template",
+    "qwen3_5": "qwen3_5_nothink_chat_template",
     "qwen3_5_moe": "qwen3_5_think_chat_template",
 }  # fmt: skip
-IMAGE_SIZES = {"qwen2_vl": 56, "qwen2_5_vl": 56, "qwen3_vl": 64, "qwen3_5": 64, "qwen3_5_moe": 64}
+IMAGE_SIZES = {"qwen2_vl": 56, "qwen2_5_vl": 56, "qwen3_vl": 64, "qwen3_vl_moe": 64, "qwen3_5": 64, "qwen3_5_moe": 64}
 # Qwen3.5's text model: a gated delta-rule (linear attention) layer, then a full-attention one (the real models
 # repeat three linear layers and one full one).
 _QWEN3_5_LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
@@ -89,10 +90,15 @@ def _qwen_config(name: str, tok, vocab_size: int):
     vision = dict(depth=VISION_LAYERS, hidden_size=VISION_HIDDEN, num_heads=VISION_HEADS, out_hidden_size=HIDDEN)
     if name in ("qwen3_5", "qwen3_5_moe"):
         return _qwen3_5_config(name, text, vision, ids)
-    if name == "qwen3_vl":
+    if name in ("qwen3_vl", "qwen3_vl_moe"):
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": mrope,
                                    "mrope_interleaved": True}  # fmt: skip
         vision.update(intermediate_size=64, patch_size=16, num_position_embeddings=16, deepstack_visual_indexes=[0])
+        if name == "qwen3_vl_moe":  # every layer's MLP routed over 4 experts, 2 per token, as Qwen3-VL-30B-A3B
+            from transformers import Qwen3VLMoeConfig
+
+            text.update(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1)
+            return Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
         return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": mrope}
     if name == "qwen2_5_vl":
@@ -131,7 +137,7 @@ def _qwen_processor(name: str, tok, image_size: int):
     from ..families import FAMILIES
     from ..media.video_processor import QwenVideoProcessorPil
 
-    patch = 16 if name in ("qwen3_vl", "qwen3_5", "qwen3_5_moe") else 14
+    patch = 16 if name in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe") else 14
     # The image budget is part of the processor, as on the Hub; tiny models see at most a 4x4 grid of merged patches.
     unit = patch * 2
     common = dict(patch_size=patch, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
