@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 from typing import Any
 
 import torch
@@ -91,6 +92,8 @@ def artifact_key(model: torch.nn.Module) -> str:
 
 def _compiled_count() -> int:
     """Graphs compiled or fetched from a cache so far in this process (grows when a step compiled something)."""
+    if "torch._dynamo" not in sys.modules:  # nothing compiled: not worth importing Dynamo to count it
+        return 0
     from torch._dynamo.utils import counters
 
     inductor = counters["inductor"]
