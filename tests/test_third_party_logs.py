@@ -54,3 +54,27 @@ def test_gpu_kernel_advice_is_dropped_without_a_gpu_and_kept_with_one(caplog, mo
             logger.propagate = propagate
         assert [r.getMessage() for r in caplog.records].count(message) == expected
         assert "another transformers kernel warning" in caplog.text
+
+
+def test_torchao_extension_failures_are_dropped_without_cuda_and_its_enum_notice_always(caplog, monkeypatch):
+    import torch
+
+    failure = "Failed to load /venv/torchao/_C_mxfp8.so: Could not load this library: /venv/torchao/_C_mxfp8.so"
+    notice = "<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile as an opaque"
+    for cuda, expected in ((None, []), ("12.8", [failure])):  # a CPU build of torch, then a CUDA one
+        monkeypatch.setattr(torch.version, "cuda", cuda)
+        caplog.clear()
+        loggers = [logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")]
+        propagate = [logger.propagate for logger in loggers]
+        for logger in loggers:  # torch's loggers do not propagate: caplog listens on each, once
+            logger.addHandler(caplog.handler)
+            logger.propagate = False
+        try:
+            loggers[0].warning(failure)
+            loggers[1].warning(notice)
+            loggers[1].warning("another pytree warning")
+        finally:
+            for logger, was in zip(loggers, propagate, strict=True):
+                logger.removeHandler(caplog.handler)
+                logger.propagate = was
+        assert [r.getMessage() for r in caplog.records] == [*expected, "another pytree warning"]

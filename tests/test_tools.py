@@ -9,6 +9,7 @@ update) is TRL's and the trainer's own code.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 
@@ -181,7 +182,9 @@ def test_qwen2_5_vl_gets_a_tool_template_only_when_given_tools(tiny_dir, caplog)
     reply, call_json = full[len(prompt) :], '{"name": "crop", "arguments": {"x1": 0, "y1": 0, "x2": 28, "y2": 28}}'
     assert reply == f"<tool_call>\n{call_json}\n</tool_call><|im_end|>\n"
     tok = processor.tokenizer
-    parsed = parse_response(tok, tok(reply)["input_ids"], prefix=tok(prompt)["input_ids"], tools=[env.crop])
+    # TRL 1.16 types the arguments by the tools' schemas; 1.15 (Unsloth's pin) takes no tools and reads the JSON as is.
+    typed = {"tools": [env.crop]} if "tools" in inspect.signature(parse_response).parameters else {}
+    parsed = parse_response(tok, tok(reply)["input_ids"], prefix=tok(prompt)["input_ids"], **typed)
     assert parsed["tool_calls"] == [call["tool_calls"][0]]
 
 

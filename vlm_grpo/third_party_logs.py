@@ -11,6 +11,12 @@ their reference PyTorch code because `flash-linear-attention` / `causal-conv1d` 
 GPU kernels: on a machine without a GPU there is nothing to install, and the four lines only alarm. They are dropped
 there and kept wherever a GPU is present, where installing them is the advice to follow.
 
+torchao (installed beside Unsloth) loads its compiled extensions at import; with a CPU build of torch its CUDA ones
+cannot load, and it says so per file ("Failed to load .../_C_mxfp8...so"), and its registration of two Enum types
+with torch's pytree calls an API torch now deprecates (a `torch.utils._pytree` warning each). Neither is anything a
+user can act on: the first is dropped where torch has no CUDA (kept with a CUDA torch, where it is a broken
+install), the second always (torchao's call to change).
+
 `library_bars_off` switches transformers' progress bars off for a block: loading from or writing to a local folder
 takes a moment and its "Loading weights" / "Writing model shards" bars told nobody anything.
 """
@@ -26,6 +32,8 @@ __all__ = ["datasets_bars_off", "install", "library_bars_off"]
 
 _BITSANDBYTES_CPU = "bitsandbytes.backends.cpu.ops"
 _HUB_KERNELS = "transformers.integrations.hub_kernels"
+_TORCHAO = "torchao"
+_PYTREE = "torch.utils._pytree"
 
 
 def _optional_kernel_missing(record: logging.LogRecord) -> bool:
@@ -45,10 +53,31 @@ def _gpu_kernel_advice_without_a_gpu(record: logging.LogRecord) -> bool:
     return torch.cuda.is_available()
 
 
+def _cuda_extension_without_cuda(record: logging.LogRecord) -> bool:
+    """True (keep the record) unless it is torchao failing to load a compiled extension into a torch without CUDA."""
+    if not str(record.msg).startswith("Failed to load "):
+        return True
+    import torch  # imported by then: torchao imports it first
+
+    return torch.version.cuda is not None
+
+
+def _enum_registration_notice(record: logging.LogRecord) -> bool:
+    """True (keep the record) unless it is torch's notice that registering an Enum as a pytree constant is deprecated
+    (torchao's import does it)."""
+    return "is an Enum subclass and is now natively supported by torch.compile" not in str(record.msg)
+
+
 def install() -> None:
     """Attach the filters (idempotent). Must run before the third-party module is imported: the warning is logged at
     its import, so `vlm_grpo/__init__.py` calls this."""
-    for name, keep in ((_BITSANDBYTES_CPU, _optional_kernel_missing), (_HUB_KERNELS, _gpu_kernel_advice_without_a_gpu)):
+    filters = (
+        (_BITSANDBYTES_CPU, _optional_kernel_missing),
+        (_HUB_KERNELS, _gpu_kernel_advice_without_a_gpu),
+        (_TORCHAO, _cuda_extension_without_cuda),
+        (_PYTREE, _enum_registration_notice),
+    )
+    for name, keep in filters:
         logger = logging.getLogger(name)
         if keep not in logger.filters:
             logger.addFilter(keep)
