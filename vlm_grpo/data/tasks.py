@@ -30,7 +30,7 @@ from .scene import (
     random_box,
     shapes_for,
 )
-from .zoom_task import ZOOM_IMAGE_SIZE, zoom_answers, zoom_example
+from .zoom_task import ZOOM_IMAGE_SIZE, zoom_example
 
 DIFFICULTIES = (1, 2, 3)
 _DIRECTIONS = ("left", "right")
@@ -335,7 +335,7 @@ TASK_SPECS: dict[str, TaskSpec] = {
     "motion": TaskSpec(_motion, lambda d, s: list(_DIRECTIONS), video=True),
     "color_change": TaskSpec(_color_change, lambda d, s: colors_for(d), video=True),
     # A small mark on a large canvas, for image tools (`--tools zoom`): vlm_grpo.data.zoom_task.
-    "zoom": TaskSpec(zoom_example, lambda d, s: zoom_answers(d), image_size=ZOOM_IMAGE_SIZE),
+    "zoom": TaskSpec(zoom_example, lambda d, s: shapes_for(d), image_size=ZOOM_IMAGE_SIZE),
 }
 
 TASKS: tuple[str, ...] = tuple(TASK_SPECS)

@@ -15,7 +15,7 @@ import random
 from .example import Example, retry
 from .scene import COLORS, Shape, colors_for, px, random_box, shapes_for
 
-__all__ = ["MIN_SIDE", "ZOOM_IMAGE_SIZE", "zoom_answers", "zoom_example"]
+__all__ = ["MIN_SIDE", "ZOOM_IMAGE_SIZE", "zoom_example"]
 
 ZOOM_IMAGE_SIZE = 448  # the canvas the task is made for (its default --image_size)
 MIN_SIDE = 6  # px: below this a circle, a square and a triangle draw nearly the same pixels, zoomed or not
@@ -24,16 +24,11 @@ MIN_SIDE = 6  # px: below this a circle, a square and a triangle draw nearly the
 _SIDE = {1: (0.018, 0.027), 2: (0.016, 0.024), 3: (0.014, 0.021)}
 
 
-def zoom_answers(difficulty: int) -> list[str]:
-    """The shape names the task answers with at `difficulty` (`vlm_grpo.data.scene.shapes_for`)."""
-    return shapes_for(difficulty)
-
-
 @retry
 def zoom_example(rng: random.Random, size: int, difficulty: int) -> Example:
     """One small mark of a random colour anywhere on the canvas; the answer is its kind. `extra["bbox"]` is its box
     (x1, y1, x2, y2), for tests and for a forced or demonstrated zoom."""
-    kinds = zoom_answers(difficulty)
+    kinds = shapes_for(difficulty)  # the answers: the shape names of this difficulty
     kind = rng.choice(kinds)
     low, high = _SIDE[difficulty]
     side = rng.randint(px(low, size, MIN_SIDE), max(px(high, size, MIN_SIDE), px(low, size, MIN_SIDE)))

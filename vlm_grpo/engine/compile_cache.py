@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_FOLDER = "compile_cache"  # inside checkpoint-N/
 OFF = "none"
 # Config entries that name the model rather than shape its code.
-_NAMES = {"_name_or_path", "name_or_path", "transformers_version", "architectures_url", "_commit_hash"}
+_NAMES = {"_name_or_path", "transformers_version", "_commit_hash"}
 
 
 def default_cache_dir() -> str:

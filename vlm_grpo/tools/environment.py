@@ -24,7 +24,7 @@ from PIL import Image
 from ..media.images import load_rgb_images
 from ..rows import source_images
 from .crop import crop_image
-from .limits import MAX_PIXELS, pixel_box
+from .limits import MAX_PIXELS
 from .rotate import rotate_image
 from .zoom import zoom_image
 
@@ -53,24 +53,13 @@ class _ImageEnvironment:
         self._image = images[0]
         originals = source_images(row)
         larger = originals and originals[0].width * originals[0].height > self._image.width * self._image.height
-        self._original = load_rgb_images(originals[:1])[0] if larger else None
+        self._original = originals[0] if larger else None  # loaded and normalised by the trainer already
 
-    def _finer(
-        self, out: Image.Image, box: tuple[int, int, int, int], size: tuple[int, int] | None = None
-    ) -> tuple[Image.Image, str]:
-        """`out` (cut from the prompt's image) again from the original, where the budget shrank it, and the words
-        saying so: the frame's `box` mapped onto the original, resampled to `size` (default: the box at the original's
-        resolution, shrunk to `max_pixels` if over)."""
-        if self._original is None:
-            return out, ""
-        sx, sy = self._original.width / self._image.width, self._original.height / self._image.height
-        scaled = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
-        if size is None:
-            width, height = scaled[2] - scaled[0], scaled[3] - scaled[1]
-            shrink = min(1.0, (self.max_pixels / (width * height)) ** 0.5)
-            size = (max(1, round(width * shrink)), max(1, round(height * shrink)))
-        finer = self._original.resize(size, Image.Resampling.BICUBIC, box=scaled)
-        return finer, f" (cut from the {self._original.width}x{self._original.height} original)"
+    def _origin(self) -> str:
+        """What a crop or zoom answer adds when it was cut from the original."""
+        return (
+            "" if self._original is None else f" (cut from the {self._original.width}x{self._original.height} original)"
+        )
 
     def _result(self, image: Image.Image, text: str) -> list[dict[str, Any]]:
         """TRL's multimodal tool response: the image, then what it is."""
@@ -96,10 +85,9 @@ class ImageTools(_ImageEnvironment):
             y2: bottom edge of the box (exclusive), in pixels from the image's top.
         """
         image = self._source()
-        out = crop_image(image, x1, y1, x2, y2, self.max_pixels)
-        out, origin = self._finer(out, pixel_box(x1, y1, x2, y2, image.size))
+        out = crop_image(image, x1, y1, x2, y2, self.max_pixels, source=self._original)
         return self._result(out, f"Crop ({x1}, {y1}, {x2}, {y2}) of the {image.width}x{image.height} image"
-                                 f"{origin}: {out.width}x{out.height} pixels.")  # fmt: skip
+                                 f"{self._origin()}: {out.width}x{out.height} pixels.")  # fmt: skip
 
     def zoom(self, x1: int, y1: int, x2: int, y2: int, factor: float = 2) -> list:
         """Crop the image to a box and enlarge it, to see small details.
@@ -112,10 +100,9 @@ class ImageTools(_ImageEnvironment):
             factor: how many times larger to make the box, from 1 to 8.
         """
         image = self._source()
-        out = zoom_image(image, x1, y1, x2, y2, factor, self.max_pixels)
-        out, origin = self._finer(out, pixel_box(x1, y1, x2, y2, image.size), out.size)
+        out = zoom_image(image, x1, y1, x2, y2, factor, self.max_pixels, source=self._original)
         return self._result(out, f"Zoom x{factor} of ({x1}, {y1}, {x2}, {y2}) of the {image.width}x{image.height} "
-                                 f"image{origin}: {out.width}x{out.height} pixels.")  # fmt: skip
+                                 f"image{self._origin()}: {out.width}x{out.height} pixels.")  # fmt: skip
 
     def rotate(self, degrees: float) -> list:
         """Rotate the whole image, e.g. to read sideways text.

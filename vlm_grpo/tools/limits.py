@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MAX_PIXELS", "check_size", "pixel_box", "to_number"]
+__all__ = ["MAX_PIXELS", "check_size", "pixel_box", "source_box", "to_number"]
 
 # The largest image (width x height) a tool returns, one megapixel: tool images go back into the rollout, where the
 # processor turns them into vision tokens counted against `max_completion_length`, and an absurd zoom would otherwise
@@ -71,3 +71,14 @@ def check_size(width: int, height: int, max_pixels: int, what: str) -> None:
             f"{what} would return a {width}x{height} image ({width * height} pixels), over the tools' limit of "
             f"{max_pixels} pixels (max_pixels): ask for a smaller box or factor."
         )
+
+
+def source_box(box: tuple[int, int, int, int], frame: tuple[int, int], source: tuple[int, int]) -> tuple[int, ...]:
+    """`box` in pixels of an image of size `frame`, mapped onto the same picture at size `source` (the row's image
+    before the pixel budget shrank it), rounded to whole pixels.
+
+    >>> source_box((48, 48, 56, 56), (112, 112), (448, 448))
+    (192, 192, 224, 224)
+    """
+    sx, sy = source[0] / frame[0], source[1] / frame[1]
+    return tuple(round(v * s) for v, s in zip(box, (sx, sy, sx, sy), strict=True))
