@@ -46,6 +46,12 @@ TRAINERS = (
     "trl-bf16",
     "vlm-grpo-off",
 )
+# Rollouts through vLLM (colocate, 0.3 of the GPU, as TRL documents it): TRL's own path, TRL's with the pad tokens kept
+# out through `generation_kwargs` as a user would (its path does not block them: a sampled one crashes scoring), and
+# ours (`use_vllm=True`). Not in the default set: they need vLLM installed (pip install 'vlm-grpo[vllm]').
+VLLM_TRAINERS = ("vlm-grpo-vllm", "trl-vllm", "trl-vllm-blocked")
+VLLM_SETTINGS = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
+                 "vllm_max_model_length": 4096}  # fmt: skip
 VIDEO_TRAINERS = ("vlm-grpo", "vlm-grpo-off")
 # vlm-grpo variants: the default (fast generation with LoRA merged while generating), the base weights kept in host
 # memory while merged (no GPU copy; fast_generation_merge_backup="host"), the vision tower attending window by window
@@ -61,6 +67,7 @@ VLM_VARIANTS = {
     "vlm-grpo-plain": {"fast_generation": False},
     "vlm-grpo-light": {"fast_generation_quantized": "light"},
     "vlm-grpo-off": {"fast_generation": False, "shared_prefix": False},  # both fast paths off: the video baseline
+    "vlm-grpo-vllm": VLLM_SETTINGS,  # rollouts through vLLM (engine/vllm_rollouts.py); min_new_tokens renamed for it
     "vlm-grpo-round3": {},  # the engine as the third decode round left it (GENERATOR_VARIANTS)
     "vlm-grpo-eager-layers": {"compile_layers": False},  # the layers' training forward and backward run eagerly
     "vlm-grpo-compiled": {"compile_layers": True},  # compiled layers asked for by name (on CPU too: the smoke test)
@@ -110,7 +117,7 @@ def parse_args(argv=None):
         "--trainers",
         default=None,
         help="comma-separated subset of "
-        + ",".join(TRAINERS)
+        + ",".join(TRAINERS + VLLM_TRAINERS)
         + " (default: all; with --video_frames: "
         + ",".join(VIDEO_TRAINERS)
         + ")",
@@ -229,8 +236,14 @@ def run_worker(args) -> None:
             processor = load_processor(checkpoint, "qwen2_5_vl")
         if trainer_name == "trl-static":
             common["cache_implementation"] = "static"
+        base = sampler_gap_trl(GRPOTrainer)
+        if trainer_name in VLLM_TRAINERS:  # TRL logs vLLM's gap itself; vLLM's name for the forced length
+            common.update(VLLM_SETTINGS, generation_kwargs={"min_tokens": args.completion_length})
+            if trainer_name == "trl-vllm-blocked":
+                common["generation_kwargs"]["bad_words"] = ["<|image_pad|>", "<|video_pad|>"]
+            base = GRPOTrainer
         peft_config = None if args.full else LoraConfig(r=16, lora_alpha=16, target_modules="all-linear")
-        trainer = timed(sampler_gap_trl(GRPOTrainer))(model, [_reward], args=GRPOConfig(**common), train_dataset=dataset,
+        trainer = timed(base)(model, [_reward], args=GRPOConfig(**common), train_dataset=dataset,
                                       processing_class=processor, peft_config=peft_config, callbacks=[timer])  # fmt: skip
     timer.trainer = trainer
     if args.profile_step:

@@ -102,8 +102,8 @@ def fast_generate(
 ) -> tuple[list[list[int]], list[list[float]]] | None:
     """`(completion_ids, sampler log-probs)` from the fast generator, or None when TRL's path must serve this call
     (the reason logged once per run)."""
-    if not getattr(trainer.args, "fast_generation", False):
-        return None
+    if not getattr(trainer.args, "fast_generation", False) or trainer.args.use_vllm:
+        return None  # vLLM asked for: TRL's path serves it (`engine.vllm_rollouts`), nothing to say
     reason = generation_blocker(trainer)
     if reason is None and has_tool_images:
         multimodal_fields = tool_image_token_types(trainer, prompt_ids, multimodal_fields)

@@ -63,6 +63,7 @@ class PrivateMethod:
 
 
 _GRPO = "trl:GRPOTrainer"
+_VLLM = "trl.generation.vllm_generation:VLLMGeneration"  # its attributes `mode`, `llm`, `_dist`, `generation_kwargs`
 _MULTIMODAL_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                       "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")  # fmt: skip
 # fmt: off
@@ -81,6 +82,10 @@ OVERRIDDEN: tuple[PrivateMethod, ...] = (
     PrivateMethod(_GRPO, "_compute_loss", ("model", "inputs"), "trainer: a batch's clips reach the log-probs"),
     PrivateMethod("transformers:Trainer", "_load_from_checkpoint", ("resume_from_checkpoint", "model"),
                   "trainer: full weights resumed under the model's names (checkpoints.load_full_weights)"),
+    PrivateMethod(_VLLM, "generate", ("prompts", "images", "num_generations", "profiler"),
+                  "engine.vllm_rollouts: placeholder runs collapsed for vLLM, its expansion checked"),
+    PrivateMethod(_VLLM, "sync_weights", (), "engine.vllm_rollouts: vLLM's encoder cache emptied after"),
+    PrivateMethod(_VLLM, "_iter_named_params", (), "engine.vllm_rollouts: LoRA merged out of place"),
 )
 _GENERATION = "transformers:GenerationMixin"
 CALLED: tuple[PrivateMethod, ...] = (

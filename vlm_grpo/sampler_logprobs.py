@@ -28,13 +28,40 @@ from typing import Any
 import torch
 
 __all__ = [
-    "GAP_METRICS", "log_batch_gap", "log_logp_gap", "loss_as_vllm", "mark_sampled", "plain_turn_logprobs",
+    "GAP_METRICS",
+    "MASKED_METRIC",
+    "log_batch_gap",
+    "log_logp_gap",
+    "log_masked_sequences",
+    "loss_as_vllm",
+    "mark_sampled",
+    "plain_turn_logprobs",
     "sampled_as_vllm",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
 GAP_METRICS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max")
+MASKED_METRIC = "sampling/importance_sampling_masked"  # fraction of the batch's ratios TRL's mask set to 0
+
+
+def log_masked_sequences(trainer: Any, output: dict[str, Any]) -> None:
+    """The fraction of a scored batch that TRL's importance-sampling mask (`*_mask` modes) zeroed, logged; a batch
+    zeroed whole trains on nothing, which is said (once per run) with the gap that caused it and the settings."""
+    ratio = output.get("importance_sampling_ratio")
+    if ratio is None or "mask" not in str(getattr(trainer.args, "vllm_importance_sampling_mode", "")):
+        return
+    masked = trainer.accelerator.gather((ratio == 0).float().mean()).mean().item()
+    trainer._metrics["train" if trainer.model.training else "eval"][MASKED_METRIC].append(masked)
+    if masked == 1.0 and not getattr(trainer, "_warned_all_masked", False):
+        trainer._warned_all_masked = True
+        logger.warning(
+            "Importance sampling masked every sequence of a batch (vllm_importance_sampling_mode=%r, clip %s-%s): "
+            "the sampler's and the loss's log-probs are too far apart (sampling/sampling_logp_difference), so this "
+            "step trains on nothing. Find why they differ, or use a *_truncate mode.",
+            trainer.args.vllm_importance_sampling_mode, trainer.args.vllm_importance_sampling_clip_min,
+            trainer.args.vllm_importance_sampling_clip_max,
+        )  # fmt: skip
 
 
 def log_logp_gap(trainer: Any, scored: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor) -> None:

@@ -7,7 +7,9 @@ its concern:
   hooks so checkpointed vision LoRA trains), the blocked ids checked (`vlm_grpo.blocked_tokens`), a fresh adapter's KL
   reference without TRL's copy (`vlm_grpo.engine.adapters_off`), Qwen-VL vision towers attending in batched calls
   (`vlm_grpo.engine.vision_attention`), one progress bar (`vlm_grpo.callbacks.RewardProgressBar`), checkpoints
-  following the umask (`vlm_grpo.files`).
+  following the umask (`vlm_grpo.files`). With `use_vllm`, vLLM's sampling settled before it loads
+  (`vlm_grpo.engine.vllm_sampling`) and TRL's vLLM generation given vLLM's placeholder form and checked
+  (`vlm_grpo.engine.vllm_rollouts`).
 - `train`: refuses a TRL that cannot compute GRPO log-probs on this device (`vlm_grpo.compat`); `True` for
   `resume_from_checkpoint` is the newest *complete* checkpoint (`vlm_grpo.checkpoints`); dynamic sampling's prompt
   stream restarted; the layers' training forward compiled for the run (`vlm_grpo.engine.compiled_layers`).
@@ -54,6 +56,8 @@ from .engine.adapters_off import AdaptersOff, is_fresh_lora, layers_to_switch
 from .engine.compile_cache import CompileCache
 from .engine.compiled_layers import CompiledLayers
 from .engine.vision_attention import pack_vision_attention
+from .engine.vllm_rollouts import attach_vllm, engine_settings
+from .engine.vllm_sampling import vllm_sampling
 from .families import core_model, find_family
 from .files import CheckpointModesCallback
 from .generation_route import fast_generate, make_generator
@@ -64,7 +68,14 @@ from .model_card import complete_model_card
 from .modes import apply_configured_checkpointing, checkpointing_off, generating
 from .private_api import merged_generation_config
 from .rows import add_image_sizes, prepare_row, rows_for_rewards
-from .sampler_logprobs import log_batch_gap, loss_as_vllm, mark_sampled, plain_turn_logprobs, sampled_as_vllm
+from .sampler_logprobs import (
+    log_batch_gap,
+    log_masked_sequences,
+    loss_as_vllm,
+    mark_sampled,
+    plain_turn_logprobs,
+    sampled_as_vllm,
+)
 from .scoring_route import logps_by_path
 from .tools.rollouts import fields_as_tensors, log_malformed_calls
 from .trainer_inputs import prepare_inputs
@@ -115,12 +126,22 @@ class VLMGRPOTrainer(GRPOTrainer):
             ready.skipped_rows,
         )
         fresh_adapter = is_fresh_lora(ready.model)
-        with quiet_third_party_checkpointing_deprecations():  # TRL (and PEFT, given a peft_config) read the old name
+        # vLLM's sampling settled (and refused where vLLM cannot apply it) before vLLM loads (`engine.vllm_sampling`).
+        vllm = vllm_sampling(args, ready.model, ready.processing_class) if args.use_vllm else None
+        if vllm is not None and ready.with_clips:
+            raise ValueError("use_vllm=True with clips: TRL's vLLM path takes images only. Use the fast engine "
+                             "(use_vllm=False, the default), which serves clips.")  # fmt: skip
+        with (
+            quiet_third_party_checkpointing_deprecations(),  # TRL (and PEFT, given a peft_config) read the old name
+            engine_settings(ready.processing_class) if vllm is not None else contextlib.nullcontext(),
+        ):
             super().__init__(
                 model=ready.model, reward_funcs=ready.reward_funcs, args=args, train_dataset=ready.train_dataset,
                 eval_dataset=ready.eval_dataset, processing_class=ready.processing_class, **kwargs,
             )  # fmt: skip
         unwrapped = self.accelerator.unwrap_model(self.model)
+        if vllm is not None:  # prompts vLLM expands as the trainer did, checked; the blocked ids reach its sampling
+            attach_vllm(self, vllm)
         if (
             ready.with_clips
         ):  # as TRL suppresses the image token: a sampled video token would have no features behind it
@@ -229,6 +250,7 @@ class VLMGRPOTrainer(GRPOTrainer):
             # TRL's step reads transformers' old checkpointing name.
             with quiet_third_party_checkpointing_deprecations(), sampled_as_vllm(self):
                 output = super()._generate_and_score_completions(inputs)
+            log_masked_sequences(self, output)  # a batch TRL's importance-sampling mask zeroed whole is said
             if self._vision_rows is not None:
                 output[VISION_ROWS] = self._vision_rows
             return output
