@@ -81,7 +81,7 @@ def _model_and_data(name: str, out_dir: str, rank: int, image_size: int, full: b
 
     from vlm_grpo.model import FastVisionModel
 
-    if name in ("qwen2.5-vl-3b", "qwen2.5-vl-7b"):
+    if name.startswith("qwen2.5-vl-"):
         from real_arch import build_checkpoint
 
         path = os.path.join(os.environ.get("VLM_GRPO_BENCH_DIR", "/tmp/vlm-grpo-bench"), name)
@@ -104,6 +104,51 @@ def _model_and_data(name: str, out_dir: str, rank: int, image_size: int, full: b
     return model, processor, Dataset.from_list(rows), path
 
 
+def _vllm_sync_gap(trainer, full_weights) -> dict:
+    """`engine.vllm_rollouts.merged_weights` on the sharded model (each weight gathered: a collective) against the
+    same on the gathered model: the names a vLLM sync sends and the largest difference (0 when they agree)."""
+    from vlm_grpo.engine.vllm_rollouts import merged_weights
+
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    sharded = {n: w.detach().float().clone() for n, w in merged_weights(model)}
+    with full_weights(trainer.model_wrapped):
+        whole = {n: w.detach().float().clone() for n, w in merged_weights(model)}
+    return {"names": len(sharded), "same_names": set(sharded) == set(whole),
+            "max_gap": max(float((sharded[n] - whole[n]).abs().max()) for n in whole)}  # fmt: skip
+
+
+def _trl_trainer(model, reward, config, dataset, processor, args):
+    """`trl.GRPOTrainer` with TRL's config fields of `config` and LoRA r16 on all linear layers, and the stand-ins for
+    the attributes this script reports (TRL has no fast generator, shared-prefix scoring or generation copy)."""
+    import dataclasses
+
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from vlm_grpo.engine.generation_copy import GenerationCopy
+    from vlm_grpo.families import core_model
+
+    names = {f.name for f in dataclasses.fields(GRPOConfig)}
+    # Our config's values for TRL's own fields, less those TRL derives from the others in __post_init__.
+    derived = {"generation_batch_size"}
+    given = {k: getattr(config, k) for k in names if not k.startswith("_") and k not in derived}
+    trl_config = GRPOConfig(**given)
+    peft_config = None if args.full else LoraConfig(r=16, lora_alpha=16, target_modules="all-linear")
+    trainer = GRPOTrainer(core_model(model), [reward], args=trl_config, train_dataset=dataset,
+                          processing_class=processor, peft_config=peft_config)  # fmt: skip
+    trainer.fast_generator = type("NoFastGenerator", (), {"stats": {"calls": 0}})()
+    trainer._fast_generation_fallbacks, trainer.shared_prefix_calls = set(), 0
+    trainer.generation_copy = GenerationCopy()
+    return trainer
+
+
+def _compiled_graphs() -> int:
+    """Graphs Dynamo compiled in this process (the layers' training forward, the decode step)."""
+    import torch._dynamo.utils
+
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
 def _lora_b_moved(model) -> dict[str, int]:
     from vlm_grpo.hooks import VISION_TOWER_NAMES
 
@@ -116,36 +161,39 @@ def _lora_b_moved(model) -> dict[str, int]:
     return counts
 
 
-def _check_export(trainer, processor, out_dir: str, full_weights) -> dict[str, float]:
-    """Merged export from the sharded model; rank 0 compares the reloaded checkpoint's logits with the adapter's."""
+def _check_export(trainer, processor, out_dir: str, final: str, base_path: str) -> dict[str, float]:
+    """Merged export from the sharded model, checked in fp32 on rank 0: the merged checkpoint's logits against the
+    trained model as saved (`final`: the adapter on the base checkpoint, or the full weights), both loaded in fp32,
+    so the gap measures the export and not bf16 rounding; the adapter's own effect on the logits beside it."""
+    from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
     from vlm_grpo.model import FastVisionModel
 
-    dtype = torch.float32 if not torch.cuda.is_available() else torch.bfloat16
-    path = FastVisionModel.save_pretrained_merged(
-        trainer.model, processor, os.path.join(out_dir, "merged"), dtype=dtype
-    )
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    inputs = processor(text=["What colour is the shape ?"], return_tensors="pt").to(trainer.accelerator.device)
+    fp32 = torch.float32
+    path = FastVisionModel.save_pretrained_merged(trainer.model, processor, os.path.join(out_dir, "merged"), dtype=fp32)
     result: dict[str, float] = {}
-    with full_weights(trainer.model), torch.no_grad():  # every rank takes part in the gather
-        trained_logits = model(**inputs).logits.float()
-        base_logits = None
-        if hasattr(model, "disable_adapter"):  # LoRA: how far the adapter moves the logits, for scale
-            with model.disable_adapter():
-                base_logits = model(**inputs).logits.float()
     if trainer.accelerator.is_main_process:
-        merged = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(trainer.accelerator.device)
-        with torch.no_grad():
-            merged_logits = merged(**inputs).logits.float()
-        result = {
-            "merged_gap": float((merged_logits - trained_logits).abs().mean()),
-            "logit_scale": float(trained_logits.abs().mean()),
-            "architectures": merged.config.architectures,
-        }
-        if base_logits is not None:
+        device = trainer.accelerator.device
+        inputs = processor(text=["What colour is the shape ?"], return_tensors="pt").to(device)
+
+        def logits(model) -> torch.Tensor:
+            with torch.no_grad():
+                return model.to(device).eval()(**inputs).logits.float()
+
+        merged = AutoModelForImageTextToText.from_pretrained(path, dtype=fp32)
+        merged_logits = logits(merged)
+        result["architectures"] = merged.config.architectures
+        del merged
+        if os.path.exists(os.path.join(final, "adapter_config.json")):
+            base = AutoModelForImageTextToText.from_pretrained(base_path, dtype=fp32)
+            base_logits = logits(base)
+            trained_logits = logits(PeftModel.from_pretrained(base, final))
             result["adapter_effect"] = float((base_logits - trained_logits).abs().mean())
+        else:
+            trained_logits = logits(AutoModelForImageTextToText.from_pretrained(final, dtype=fp32))
+        result["merged_gap"] = float((merged_logits - trained_logits).abs().mean())
+        result["logit_scale"] = float(trained_logits.abs().mean())
     trainer.accelerator.wait_for_everyone()
     return result
 
@@ -171,6 +219,15 @@ def main() -> None:
     parser.add_argument(
         "--no_compile", action="store_true", help="eager fast generation (fast_generation_compile=False)"
     )
+    parser.add_argument("--compile_layers", action="store_true",
+                        help="compile the layers' training forward (compile_layers=True; on CPU too)")  # fmt: skip
+    parser.add_argument("--use_vllm", action="store_true", help="rollouts through vLLM colocated on each GPU")
+    parser.add_argument("--vllm_tp", type=int, default=1, help="vLLM tensor parallel size (divides the GPUs)")
+    parser.add_argument("--vllm_memory", type=float, default=0.3, help="vLLM's share of each GPU")
+    parser.add_argument("--trl", action="store_true",
+                        help="plain trl.GRPOTrainer on the transformers model with a LoRA peft_config (the baseline)")  # fmt: skip
+    parser.add_argument("--no_generation_copy", action="store_true",
+                        help="FSDP2: gather the shards for each rollout (fsdp_generation_copy=False)")  # fmt: skip
     parser.add_argument(
         "--dtype",
         default=None,
@@ -191,7 +248,7 @@ def main() -> None:
     # The model is built before the config: once the config has set up the process group, transformers'
     # save_pretrained writes on the main process only, and the other ranks' tiny checkpoints would lack weights.
     rank = int(os.environ.get("RANK", "0"))
-    model, processor, dataset, _ = _model_and_data(
+    model, processor, dataset, base_path = _model_and_data(
         args.model,
         args.out_dir,
         rank,
@@ -207,13 +264,19 @@ def main() -> None:
         max_steps=args.steps, logging_steps=1, report_to="none", disable_tqdm=True, seed=args.seed,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),
-        fast_generation_compile=False if args.no_compile else None,
+        fast_generation_compile=False if args.no_compile else None, fsdp_generation_copy=not args.no_generation_copy,
+        compile_layers=True if args.compile_layers else None,
+        **(dict(use_vllm=True, vllm_mode="colocate", vllm_tensor_parallel_size=args.vllm_tp,
+                vllm_gpu_memory_utilization=args.vllm_memory, vllm_max_model_length=4096) if args.use_vllm else {}),
         dynamic_sampling=args.dynamic_sampling, max_sampling_rounds=8,
     )  # fmt: skip
-    if not args.full:
-        model = FastVisionModel.get_peft_model(model, r=16, lora_alpha=16, random_state=args.seed)
     reward = _GradedReward(args.generations) if args.dynamic_sampling else _varied_reward
-    trainer = VLMGRPOTrainer(model, [reward], args=config, train_dataset=dataset, processing_class=processor)
+    if args.trl:  # TRL as users run it: the transformers model, TRL's own LoRA wrapping, its generate / vLLM path
+        trainer = _trl_trainer(model, reward, config, dataset, processor, args)
+    else:
+        if not args.full:
+            model = FastVisionModel.get_peft_model(model, r=16, lora_alpha=16, random_state=args.seed)
+        trainer = VLMGRPOTrainer(model, [reward], args=config, train_dataset=dataset, processing_class=processor)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -231,7 +294,7 @@ def main() -> None:
         "step_time_s": step_times, "train_wall_s": wall,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
         "fast_generation": trainer.fast_generator.stats, "fast_generation_fallbacks": sorted(trainer._fast_generation_fallbacks),
-        "shared_prefix_calls": trainer.shared_prefix_calls,
+        "shared_prefix_calls": trainer.shared_prefix_calls, "compiled_graphs": _compiled_graphs(),
         "shared_prefix_fallbacks": getattr(trainer, "shared_prefix_fallbacks", {}),
         "frac_reward_zero_std": [h.get("frac_reward_zero_std") for h in history],
         "sampling_rounds": [h.get("dynamic_sampling/rounds") for h in history],
@@ -239,8 +302,18 @@ def main() -> None:
     }  # fmt: skip
     if record["sharding"] == "fsdp2":  # every gather for generation was given back: the weights are shards again
         record["resharded"] = all(type(p).__name__ == "DTensor" for p in trainer.model_wrapped.parameters())
+    if not args.full:  # the weights a vLLM sync would send, gathered from the shards, against the unsharded model's
+        record["vllm_sync"] = _vllm_sync_gap(trainer, full_weights)
+    copy = trainer.generation_copy
+    record["generation_copy"] = copy.stats()
+    if copy.model is not None:  # refreshed to the final weights (a collective), compared below with the gathered ones
+        copy.refreshed(trainer.model_wrapped, -1)
     with full_weights(trainer.model_wrapped):  # every rank gathers; the same numbers on each when shards agree
         unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+        if copy.model is not None:  # 0: the copy is the model (trainable weights refreshed, frozen ones untouched)
+            own = dict(copy.model.named_parameters())
+            record["copy_gap"] = max(float((own[n].float() - p.detach().float()).abs().max())
+                                     for n, p in unwrapped.named_parameters())  # fmt: skip
         record["checksum"] = float(sum(p.detach().double().sum() for p in unwrapped.parameters()))
         if record["sharding"] is None:  # replicas (DDP): bit-identical, not just equal sums
             digest = hashlib.sha256()
@@ -253,7 +326,7 @@ def main() -> None:
     trainer.save_model(final)  # what the CLI saves: gathered from the shards into plain files
     record["final_files"] = sorted(os.listdir(final)) if trainer.accelerator.is_main_process else None
     if args.export:
-        record["export"] = _check_export(trainer, processor, args.out_dir, full_weights)
+        record["export"] = _check_export(trainer, processor, args.out_dir, final, base_path)
     with open(os.path.join(args.out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
     print(json.dumps(record), flush=True)

@@ -1,6 +1,6 @@
 """Real-architecture VLMs with random weights, for GPU benchmarks and tests without Hub access.
 
-The configs are Qwen2.5-VL-3B/7B-Instruct's and Qwen3.5-4B/9B's, written in code; the tokenizer is built locally
+The configs are Qwen2.5-VL-3B/7B/32B-Instruct's and Qwen3.5-4B/9B's, written in code; the tokenizer is built locally
 with the real vocabulary size and Qwen2.5's special-token ids, so prompts have the real shape (a 448x448 image is 256
 image tokens for Qwen2.5-VL, 196 for Qwen3.5's 16-px patches) and generation costs what it costs with the real
 checkpoint. Qwen3.5's text models are the published configs (hybrid: three gated delta-rule layers, then a gated
@@ -23,6 +23,10 @@ TEXT = {
                           num_key_value_heads=2, tie_word_embeddings=True),
     "qwen2.5-vl-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                           num_key_value_heads=4, tie_word_embeddings=False),
+    # Qwen2.5-VL-32B-Instruct's text model (its vision tower is the same as the smaller models'): 64 GB in bf16,
+    # more than one 80 GB GPU holds with training beside it.
+    "qwen2.5-vl-32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                           num_key_value_heads=8, tie_word_embeddings=False),
 }  # fmt: skip
 # Qwen3.5: the published text configs; the vision towers of Qwen3-VL's models of the same size.
 QWEN3_5 = {

@@ -1,7 +1,8 @@
 """DDP vs FSDP2 (vs ZeRO-3) on the GPUs of one host, plus a two-"machine" run: one invocation, one table.
 
-    python benchmarks/scale_out.py OUT --runs ddp-3b fsdp2-3b fsdp2-3b-resume two-machines
-    python benchmarks/scale_out.py OUT --runs fsdp2-7b-full ddp-7b-full
+    python benchmarks/scale_out.py OUT --runs 1gpu-3b ddp-3b fsdp2-3b fsdp2-3b-gather fsdp2-3b-resume    # 2 GPUs
+    python benchmarks/scale_out.py OUT --runs ddp-3b-x4 fsdp2-7b-full ddp-7b-full fsdp2-32b-vllm-tp4 trl-fsdp2-32b \
+        two-machines                                                                                         # 4 GPUs
 
 Each run is `accelerate launch --config_file examples/accelerate/<config>.yaml benchmarks/distributed_train.py`
 (or the CLI, for the two-machine run) with the flags listed in RUNS; the per-rank reports land in OUT/<run>/ and
@@ -22,9 +23,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "benchmarks", "distributed_train.py")
 # 448x448 images (256 image tokens), 64 new tokens, G=4 completions of 8 rows per GPU: a short but real step.
 REAL = ["--image_size", "448", "--max_completion_length", "64", "--batch", "8", "--generations", "4"]
+X4 = ["--num_processes", "4"]
+# name -> (accelerate config, distributed_train.py flags, extra `accelerate launch` flags)
 RUNS = {
-    "ddp-3b": ("ddp", ["--model", "qwen2.5-vl-3b", "--steps", "5", "--no_compile", *REAL]),  # eager, as FSDP2 is
-    "fsdp2-3b": ("fsdp2", ["--model", "qwen2.5-vl-3b", "--steps", "5", "--save_steps", "3", "--export", *REAL]),
+    "1gpu-3b": ("ddp", ["--model", "qwen2.5-vl-3b", "--steps", "5", *REAL], ["--num_processes", "1"]),
+    "ddp-3b": ("ddp", ["--model", "qwen2.5-vl-3b", "--steps", "5", *REAL], []),
+    "ddp-3b-x4": ("ddp", ["--model", "qwen2.5-vl-3b", "--steps", "5", *REAL], X4),
+    # FSDP2 as shipped: generation from the unsharded copy (compiled), the layers' training forward compiled.
+    "fsdp2-3b": ("fsdp2", ["--model", "qwen2.5-vl-3b", "--steps", "5", "--save_steps", "3", "--export", *REAL], []),
+    # The path before the copy: the shards gathered for each rollout, decoding eagerly.
+    "fsdp2-3b-gather": ("fsdp2", ["--model", "qwen2.5-vl-3b", "--steps", "5", "--no_generation_copy", *REAL], []),
     "fsdp2-3b-resume": (
         "fsdp2",
         [
@@ -38,30 +46,29 @@ RUNS = {
             "fsdp2-3b",
             *REAL,
         ],
+        [],
     ),
-    "zero3-3b": ("zero3", ["--model", "qwen2.5-vl-3b", "--steps", "5", *REAL]),
+    "zero3-3b": ("zero3", ["--model", "qwen2.5-vl-3b", "--steps", "5", *REAL], []),
     # Full fine-tuning with fp32 master weights: 7.6 B x (4 weights + 4 grads + 8 Adam) bytes = 122 GB per replica
-    # before activations and the reference model, so DDP cannot hold it on one 141 GB GPU; FSDP2 halves it.
+    # before activations and the reference model, so DDP cannot hold it on one 80 GB GPU; FSDP2 over 2 or 4 can.
     "fsdp2-7b-full": (
         "fsdp2",
         ["--model", "qwen2.5-vl-7b", "--full", "--dtype", "float32", "--steps", "3", "--lr", "1e-6", *REAL],
+        X4,
     ),
     "ddp-7b-full": (
         "ddp",
-        [
-            "--model",
-            "qwen2.5-vl-7b",
-            "--full",
-            "--dtype",
-            "float32",
-            "--steps",
-            "3",
-            "--lr",
-            "1e-6",
-            "--no_compile",
-            *REAL,
-        ],
+        ["--model", "qwen2.5-vl-7b", "--full", "--dtype", "float32", "--steps", "3", "--lr", "1e-6", *REAL],
+        X4,
     ),
+    # A model one GPU cannot hold for generation (32B: 64 GB in bf16): FSDP2 training, rollouts through vLLM with
+    # tensor parallelism over the 4 GPUs; beside it TRL's own FSDP2 path (generate through FSDP's hooks).
+    "fsdp2-32b-vllm-tp4": (
+        "fsdp2",
+        ["--model", "qwen2.5-vl-32b", "--steps", "3", "--use_vllm", "--vllm_tp", "4", "--vllm_memory", "0.35", *REAL],
+        X4,
+    ),
+    "trl-fsdp2-32b": ("fsdp2", ["--model", "qwen2.5-vl-32b", "--steps", "3", "--trl", *REAL], X4),
 }
 
 
@@ -94,13 +101,19 @@ def _launch(config: str, args: list[str], out: str, timeout: int, extra: list[st
 
 
 def _two_machines(out: str, timeout: int) -> dict:
-    """Two accelerate "machines" (one GPU each) meeting on localhost: the multi-node launch path, 3 CLI steps."""
+    """Two accelerate "machines" (two GPUs each on a 4-GPU host, else one) meeting on localhost: the multi-node launch
+    path, 3 CLI steps."""
     procs, start = [], time.perf_counter()
+    import torch
+
+    per_machine = 2 if torch.cuda.device_count() >= 4 else 1  # two "machines" of two GPUs each on a 4-GPU host
     for rank in (0, 1):
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(rank)}
+        gpus = ",".join(str(rank * per_machine + i) for i in range(per_machine))
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus}
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                os.path.join(ROOT, "examples", "accelerate", "ddp.yaml"), "--num_machines", "2", "--machine_rank",
-               str(rank), "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", "29655",
+               str(rank), "--num_processes", str(2 * per_machine), "--main_process_ip", "127.0.0.1",
+               "--main_process_port", "29655",
                "-m", "vlm_grpo.cli", "--output_dir", out, "--max_steps", "3", "--logging_steps", "1",
                "--train_size", "32", "--test_size", "8"]  # fmt: skip
         log = open(os.path.join(os.path.dirname(out), f"two-machines-rank{rank}.log"), "w")  # noqa: SIM115 (open while the process runs)
@@ -151,7 +164,7 @@ def main() -> None:
         if name == "two-machines":
             summary[name] = _two_machines(os.path.join(args.out_dir, name), args.timeout)
         else:
-            config, flags = RUNS[name]
+            config, flags, launch = RUNS[name]
             flags = [f.replace("{out}", args.out_dir) for f in flags]
             out = os.path.join(args.out_dir, name)
             if "--out_from" in flags:  # a resume runs in the directory of the run it continues
@@ -161,7 +174,7 @@ def main() -> None:
                 for f in os.listdir(out):
                     if f.startswith("rank"):
                         os.remove(os.path.join(out, f))
-            summary[name] = _launch(config, flags, out, args.timeout)
+            summary[name] = _launch(config, flags, out, args.timeout, launch)
         print(json.dumps(summary[name])[:3000], flush=True)
         with open(summary_path + ".tmp", "w") as f:
             json.dump(summary, f, indent=1)

@@ -62,21 +62,27 @@ def test_fsdp2_trains_vision_and_language_lora_resumes_and_exports(tmp_path):
         # The fast paths served the sharded model: gathered-weight generation and shared-prefix scoring.
         assert r["fast_generation"]["calls"] == 3 and not r["fast_generation_fallbacks"]
         assert r["shared_prefix_calls"] > 0 and not r["shared_prefix_fallbacks"]
+        # ...from the unsharded generation copy, refreshed once per step, equal to the model bit for bit at the end
+        # (its adapters refreshed, its base untouched by the merges while generating)
+        assert r["generation_copy"] == {"copy": True, "refreshes": 3} and r["copy_gap"] == 0.0
+        # The weights a vLLM sync sends (LoRA merged out of place), gathered weight by weight from the shards.
+        assert r["vllm_sync"]["same_names"] and r["vllm_sync"]["names"] > 0 and r["vllm_sync"]["max_gap"] == 0.0
     assert first[0]["checksum"] == first[1]["checksum"]  # the gathered shards are the same model on both ranks
     assert "adapter_model.safetensors" in first[0]["final_files"]  # save_model wrote the gathered adapter
     export = first[0]["export"]
     assert export["merged_gap"] < 1e-3 * export["adapter_effect"]  # the merged checkpoint is the adapted model
 
-    # Resume from the mid-run checkpoint (step 2): the step count continues and step 3 is replayed exactly.
+    # Resume from the mid-run checkpoint (step 2): the step count continues and step 3 is replayed exactly, here
+    # generated from the gathered shards rather than the copy: the two paths give the same completions.
     for r in (0, 1):
         (out / f"rank{r}.json").unlink()
-    _launch(
-        [script, str(out), "--steps", "4", "--resume", str(out / "run" / "checkpoint-2")], 29572, config="fsdp2.yaml"
-    )
+    resume = ["--resume", str(out / "run" / "checkpoint-2"), "--no_generation_copy"]
+    _launch([script, str(out), "--steps", "4", *resume], 29572, config="fsdp2.yaml")
     resumed = _records(out)
     for r in resumed:
         assert r["logged_steps"] == [1, 2, 3, 4] and r["steps"] == 4 and r["finite"]
         assert r["fast_generation"]["calls"] == 2  # only steps 3 and 4 ran in this process
+        assert r["generation_copy"] == {"copy": False, "refreshes": 0}
         assert r["losses"][2] == pytest.approx(first[0]["losses"][2], rel=1e-4, abs=1e-9)
     assert resumed[0]["checksum"] == resumed[1]["checksum"]
 
@@ -99,6 +105,23 @@ def test_cli_under_two_processes_writes_one_complete_final_model(tmp_path, famil
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "reward" in r] == [1, 2]  # written once, by rank 0
     assert not [p for p in os.listdir(out) if ".tmp" in p]  # no leftover temporaries from other ranks
+
+
+@pytest.mark.slow
+@pytest.mark.trains
+def test_fsdp2_trains_with_compiled_layers_as_it_does_eagerly(tmp_path):
+    """The layers' training forward compiled before accelerate shards them (torchtitan's order) trains under FSDP2:
+    the same losses and, up to the fused kernels' rounding, the same weights as the eager run."""
+    script = os.path.join(ROOT, "benchmarks", "distributed_train.py")
+    runs = {}
+    for name, extra, port in (("eager", [], 29577), ("compiled", ["--compile_layers"], 29578)):
+        _launch([script, str(tmp_path / name), "--steps", "2", *extra], port, config="fsdp2.yaml")
+        runs[name] = _records(tmp_path / name)
+    for eager, compiled in zip(runs["eager"], runs["compiled"]):
+        assert compiled["sharding"] == "fsdp2" and compiled["finite"] and compiled["resharded"]
+        assert compiled["compiled_graphs"] > eager["compiled_graphs"]  # the layers did compile
+        assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4, abs=1e-9)
+        assert compiled["checksum"] == pytest.approx(eager["checksum"], rel=1e-7)
 
 
 @pytest.mark.slow

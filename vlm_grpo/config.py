@@ -130,7 +130,15 @@ class VLMGRPOConfig(GRPOConfig):
     fast_generation_compile: bool | None = field(
         default=None,
         metadata={"help": "Compile the decode step into a CUDA graph (paid once per run). None: on CUDA, off on CPU "
-                  "and for sharded (FSDP2 / ZeRO-3) models, whose weights are gathered afresh for every generation."},
+                  "and where the weights are gathered afresh for every generation (ZeRO-3; FSDP2 without "
+                  "fsdp_generation_copy)."},
+    )  # fmt: skip
+    fsdp_generation_copy: bool = field(
+        default=True,
+        metadata={"help": "Under FSDP2, the fast generator decodes from an unsharded copy of the model refreshed from "
+                  "the shards once per step (for LoRA: the adapters only), so its decode step compiles to CUDA graphs "
+                  "as on one GPU; costs one 16-bit copy of the model per GPU. False: gather the shards for each "
+                  "rollout and decode eagerly (less memory)."},
     )  # fmt: skip
     fast_generation_merge_lora: bool = field(
         default=True,

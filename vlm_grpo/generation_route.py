@@ -15,10 +15,11 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from trl.models.utils import unwrap_model_for_generation
 
 from .engine.fast_generation import FastGenerator, FastPathUnavailable
-from .engine.sharded import full_weights
+from .engine.sharded import full_weights, sharding
 from .engine.sharded import unsupported_reason as sharded_unsupported_reason
 from .modes import checkpointing_off
 
@@ -28,7 +29,9 @@ __all__ = [
     "generation_blocker",
     "is_zero3",
     "make_generator",
+    "prepare_generation_copy",
     "tool_image_token_types",
+    "uses_generation_copy",
 ]
 
 logger = logging.getLogger(__name__)
@@ -48,11 +51,35 @@ def compile_setting(args: Any, sharded: bool) -> bool | None:
     return False if compile is None and sharded else compile
 
 
+def uses_generation_copy(trainer: Any) -> bool:
+    """Whether `trainer` generates from an unsharded copy of its FSDP2 model (`engine.generation_copy`)."""
+    plugin = trainer.accelerator.state.fsdp_plugin if trainer.is_fsdp_enabled else None
+    return (
+        plugin is not None and getattr(plugin, "fsdp_version", 1) == 2
+        and getattr(trainer.args, "fsdp_generation_copy", False) and getattr(trainer.args, "fast_generation", False)
+        and not trainer.args.use_vllm
+    )  # fmt: skip
+
+
+def prepare_generation_copy(trainer: Any) -> None:
+    """Make `trainer`'s generation copy of its model, not yet sharded (FSDP2 shards it when training starts), in the
+    dtype its forward computes in; a model already sharded (a second `train` call) keeps gathering instead."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if sharding(model) is not None:
+        logger.warning("The model is already sharded: the fast generator gathers the shards for each rollout "
+                       "(fsdp_generation_copy needs a model not yet sharded).")  # fmt: skip
+        return
+    args = trainer.args
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+    trainer.generation_copy.prepare(model, trainer.accelerator.device, dtype)
+
+
 def make_generator(trainer: Any) -> FastGenerator:
     """The fast generator `trainer`'s config asks for."""
     args = trainer.args
+    gathered = (trainer.is_fsdp_enabled and not uses_generation_copy(trainer)) or is_zero3(trainer)
     return FastGenerator(
-        compile=compile_setting(args, sharded=trainer.is_fsdp_enabled or is_zero3(trainer)),
+        compile=compile_setting(args, sharded=gathered),
         merge_lora=getattr(args, "fast_generation_merge_lora", True),
         merge_backup=getattr(args, "fast_generation_merge_backup", "auto"),
         quantized=getattr(args, "fast_generation_quantized", "auto"),
@@ -107,7 +134,18 @@ def fast_generate(
     reason = generation_blocker(trainer)
     if reason is None and has_tool_images:
         multimodal_fields = tool_image_token_types(trainer, prompt_ids, multimodal_fields)
-    if reason is None:
+    copy = getattr(trainer, "generation_copy", None)
+    if reason is None and copy is not None and copy.model is not None:
+        # FSDP2 with an unsharded copy: its trainable weights refreshed once per step, then generation as on one GPU.
+        model = copy.refreshed(trainer.model_wrapped, trainer.state.global_step)
+        try:
+            return trainer.fast_generator.generate(
+                model, prompt_ids, images, multimodal_fields, trainer.generation_config,
+                trainer._tokenizer.pad_token_id, defer_restore=not trainer.args.torch_compile, return_logprobs=True,
+            )  # fmt: skip
+        except FastPathUnavailable as error:
+            reason = str(error)
+    elif reason is None:
         # FSDP2 units are unsharded here, once for the whole rollout rather than per layer per token.
         with (
             _unwrapped_for_generation(trainer) as model,

@@ -55,12 +55,13 @@ from .dynamic_sampling import DynamicSampler, DynamicSamplingState
 from .engine.adapters_off import AdaptersOff, is_fresh_lora, layers_to_switch
 from .engine.compile_cache import CompileCache
 from .engine.compiled_layers import CompiledLayers
+from .engine.generation_copy import GenerationCopy
 from .engine.vision_attention import pack_vision_attention
 from .engine.vllm_rollouts import attach_vllm, engine_settings
 from .engine.vllm_sampling import vllm_sampling
 from .families import core_model, find_family
 from .files import CheckpointModesCallback
-from .generation_route import fast_generate, make_generator
+from .generation_route import fast_generate, make_generator, prepare_generation_copy, uses_generation_copy
 from .hooks import enable_requires_grad_hooks
 from .integrations.unsloth import maybe_patch_for_model
 from .media.processing import VISION_ROWS, holds_clips, tokenize_clip_prompts, tokenize_distinct
@@ -160,6 +161,7 @@ class VLMGRPOTrainer(GRPOTrainer):
             self.add_callback(RewardProgressBar())
         self.add_callback(CheckpointModesCallback())
         self.fast_generator = make_generator(self)
+        self.generation_copy = GenerationCopy()  # under FSDP2, what the fast generator decodes from (`train`)
         self._fast_generation_fallbacks: set[str] = set()
         # A fresh adapter's KL reference: the policy with its adapters off by their own flags, not PEFT's walks; TRL
         # hands it back to `_get_per_token_logps_and_entropies`.
@@ -176,9 +178,13 @@ class VLMGRPOTrainer(GRPOTrainer):
             self.add_callback(DynamicSamplingState())  # carries its position into checkpoints
 
     def _compile_layers(self) -> None:
+        # FSDP2 keeps each layer's modules and unshards their weights before the layer runs: compiled before
+        # accelerate shards the model (torchtitan's order), they train as on one GPU. FSDP1's flat parameters and
+        # DeepSpeed's partitions are not read through the modules.
+        fsdp1 = self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2
         blocked_by = (
             "torch_compile compiles the whole model" if self.args.torch_compile
-            else "sharded (FSDP / DeepSpeed) layers" if self.is_fsdp_enabled or self.is_deepspeed_enabled else None
+            else "sharded (FSDP1 / DeepSpeed) layers" if fsdp1 or self.is_deepspeed_enabled else None
         )  # fmt: skip
         unwrapped = self.accelerator.unwrap_model(self.model)
         self.compiled_layers.attach_as_configured(unwrapped, getattr(self.args, "compile_layers", None), blocked_by)
@@ -196,6 +202,8 @@ class VLMGRPOTrainer(GRPOTrainer):
                 raise ValueError(f"No complete checkpoint to resume from in {self.args.output_dir}.")
         if self.dynamic_sampler is not None:
             self.dynamic_sampler.restart()
+        if uses_generation_copy(self) and self.generation_copy.model is None:  # before accelerate shards the model
+            prepare_generation_copy(self)
         self._compile_layers()  # for this run only: afterwards the model's own forwards, for whatever uses it next
         self.compile_cache.load(resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None)
         try:

@@ -26,8 +26,9 @@ cache: said once (`attach_vllm`).
 The weights vLLM receives each step (TRL's `sync_weights`): for a LoRA model on one device, each adapted weight is
 merged out of place, `W + scaling * B @ A` into a new tensor per layer (`merged_weights`), where TRL merges the
 adapters into the base weights and unmerges them after. In bf16 that round trip does not give the base weights back
-(the frozen weights and the KL reference move a little at every step; a test shows it); sharded and quantised models
-keep TRL's way.
+(the frozen weights and the KL reference move a little at every step; a test shows it). Under FSDP2 each weight is
+gathered from its shards (`full_tensor()`) and merged the same way, where TRL merges into sharded weights; FSDP1,
+ZeRO-3 and quantised models keep TRL's way.
 
 `engine_settings` gives TRL's `LLM(...)` the trainer's pixel budget (`mm_processor_kwargs`), so vLLM's processor
 sizes images as the trainer's does even where the budget differs from the processor saved with the checkpoint.
@@ -113,8 +114,10 @@ class CheckedVLLMGeneration(VLLMGeneration):
             self.llm.llm_engine.reset_encoder_cache()
 
     def _iter_named_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        # On one device, a LoRA model's merged weights out of place; sharded models are gathered TRL's way.
-        exact = None if self._dist.is_fsdp or _is_zero3() else merged_weights(self.model)
+        # A LoRA model's merged weights out of place, on one device or gathered from FSDP2's shards; FSDP1 and
+        # ZeRO-3 models are gathered TRL's way.
+        fsdp1 = self._dist.is_fsdp and self._dist.fsdp_version != 2
+        exact = None if fsdp1 or _is_zero3() else merged_weights(self.model)
         yield from (exact if exact is not None else super()._iter_named_params())
 
 
@@ -124,10 +127,15 @@ def _is_zero3() -> bool:
     return is_deepspeed_zero3_enabled()
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def merged_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]] | None:
     """Every weight of PEFT `model` under the name transformers gives it without PEFT, each LoRA-adapted one merged
-    out of place (`W + scaling * B @ A` in a new tensor; the base weight untouched), one at a time; None where that is
-    not exact (no adapters, DoRA or another variant, a quantised or non-Linear base): TRL's merge then serves."""
+    out of place (`W + scaling * B @ A` in a new tensor; the base weight untouched), one at a time; FSDP2 shards are
+    gathered one weight at a time (every rank iterates: a collective). None where that is not exact (no adapters,
+    DoRA or another variant, a quantised or non-Linear base): TRL's merge then serves."""
     layers = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "get_base_layer")]
     if not layers or not hasattr(model, "prefix") or not all(merges_as_a_delta(layer) for layer in layers):
         return None
@@ -140,11 +148,12 @@ def merged_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]] | None:
                     continue
                 name = name.removeprefix("base_model.model.").replace(".base_layer", "")
                 name = name.replace("modules_to_save.default.", "").replace("_checkpoint_wrapped_module.", "")
-                value, layer = param.data, owners.get(id(param))
+                sharded = hasattr(param, "full_tensor")  # FSDP2: gathered (a collective), a new tensor already
+                value, layer = (param.full_tensor() if sharded else param.data), owners.get(id(param))
                 if layer is not None and not layer.disable_adapters:
-                    value = value.clone()
+                    value = value if sharded else value.clone()
                     for adapter in (a for a in layer.active_adapters if a in layer.lora_A):
-                        lora_a, lora_b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+                        lora_a, lora_b = _full(layer.lora_A[adapter].weight), _full(layer.lora_B[adapter].weight)
                         value.addmm_(lora_b.to(value.dtype), lora_a.to(value.dtype), alpha=layer.scaling[adapter])
                 yield name, value
 

@@ -1,0 +1,55 @@
+"""The unsharded generation copy (`engine.generation_copy`) on one process; under FSDP2 (two processes) it is
+tested in tests/test_sharded.py (refreshed every step, equal to the gathered model, the same completions)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlm_grpo.engine.generation_copy import GenerationCopy
+from vlm_grpo.model import FastVisionModel
+
+
+@pytest.fixture
+def lora(tiny_dir):
+    model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    return FastVisionModel.get_peft_model(model, r=4)
+
+
+def test_the_copy_owns_its_weights_in_the_generation_dtype_and_keeps_buffers_as_they_are(lora):
+    lora.forward = lambda *a, **k: "the original's"  # an instance forward wrapping the original (TRL's fused head)
+    copy = GenerationCopy()
+    copy.prepare(lora, torch.device("cpu"), torch.bfloat16)
+    own = dict(copy.model.named_parameters())
+    for name, param in lora.named_parameters():
+        assert own[name].dtype == torch.bfloat16 and not own[name].requires_grad
+        assert own[name].data_ptr() != param.data_ptr()  # a copy, not the model's storage
+        assert torch.equal(own[name], param.detach().to(torch.bfloat16))
+    buffers = dict(lora.named_buffers())
+    assert all(b.dtype == buffers[n].dtype for n, b in copy.model.named_buffers())  # rotary frequencies stay fp32
+    assert "forward" not in vars(copy.model)  # the class's forward, not a closure over the original
+    assert not copy.model.training
+
+
+def test_a_refresh_copies_the_trainable_weights_once_per_step_in_place(lora):
+    copy = GenerationCopy()
+    copy.prepare(lora, torch.device("cpu"))
+    trainable = {n for n, p in lora.named_parameters() if p.requires_grad}
+    addresses = {n: p.data_ptr() for n, p in copy.model.named_parameters()}
+    with torch.no_grad():
+        for param in lora.parameters():
+            param.add_(1.0)  # every weight moves; only the trainable ones (the adapters) may reach the copy
+    model = copy.refreshed(lora, step=1)
+    assert copy.refreshes == 1 and copy.refreshed(lora, step=1) is model and copy.refreshes == 1  # once a step
+    original = dict(lora.named_parameters())
+    for name, param in model.named_parameters():
+        assert param.data_ptr() == addresses[name]  # in place: recorded CUDA graphs keep reading them
+        assert torch.equal(param, original[name]) == (name in trainable)
+
+
+def test_a_parameter_the_copy_lacks_is_named(lora, tiny_dir):
+    other, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    copy = GenerationCopy()
+    copy.prepare(other, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="has no parameter .*lora_A"):
+        copy.refreshed(lora, step=0)
