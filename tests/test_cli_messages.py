@@ -7,7 +7,8 @@ import os
 import subprocess
 
 import pytest
-from test_cli import TINY_RUN, _console_script, _shapes_csv, vlm_grpo
+from test_cli import TINY_RUN, _console_script, _metrics, _shapes_csv, vlm_grpo
+from transformers import AutoTokenizer
 
 from vlm_grpo.cli import main
 
@@ -143,4 +144,91 @@ def test_clips_for_a_family_that_takes_none_are_refused_before_the_model_loads(t
     err = capsys.readouterr().err.strip()
     assert err.startswith("vlm-grpo: error: --dataset train.jsonl has clips and tiny:gemma3 (gemma3) takes no video")
     assert "qwen2_5_vl" in err and "\n" not in err
+    assert not (tmp_path / "run").exists()
+
+
+# Issue 46: your own data as a newcomer meets it, round 4.
+
+YOUR_REWARDS = (
+    "def saw_image(completions, image, **kwargs):\n"
+    "    # 1.0 for every row whose image reached training (a text-only row has None).\n"
+    "    return [float(hasattr(i, 'size')) for i in image]\n"
+    "\n"
+    "def label_first(completions, label, **kwargs):\n"
+    "    texts = [c if isinstance(c, str) else c[-1]['content'] for c in completions]\n"
+    "    return [float(t.split()[:1] == [a]) for t, a in zip(texts, label)]\n"
+)
+
+
+def _own_csv(folder, rows: int, header: str = "file,question,label"):
+    """`_shapes_csv` under a user's own column names (the image path column first)."""
+    data = _shapes_csv(folder, rows=rows)
+    data.write_text(data.read_text().replace("image,question,answer", header, 1))
+    (folder / "my_rewards.py").write_text(YOUR_REWARDS)
+    return data
+
+
+@pytest.mark.trains
+def test_images_in_a_column_of_any_name_are_found_said_and_trained_on_and_your_names_reach_rewards(tmp_path):
+    # Issue 46 (1-3): `file` holds `img/0.jpg` paths; it trained text-only without a word, `label` was renamed away
+    # from the reward reading it, and two missing images were said twice by split position.
+    _own_csv(tmp_path, rows=16)
+    for i in (1, 7):  # CSV lines 3 and 9 (line 1 is the header)
+        os.remove(tmp_path / "img" / f"{i}.jpg")
+    proc = vlm_grpo("--dataset", "shapes.csv", "--prompt_column", "question", "--answer_column", "label",
+                    "--reward_funcs", "my_rewards:saw_image", "my_rewards:label_first", "--test_size", "4",
+                    "--output_dir", "run", *TINY_RUN, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "images: column `file` (found by what it holds; --image_column names another)" in proc.stdout.splitlines()
+    steps = [r for r in _metrics(tmp_path / "run") if "reward" in r]
+    assert steps and all(r["rewards/saw_image/mean"] == 1.0 for r in steps)  # every training row had its image
+    assert all("rewards/label_first/mean" in r for r in steps)  # `label` reached the reward under its own name
+    skips = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if "skipped" in line]
+    assert len(skips) == 1 and skips[0].startswith("shapes.csv: skipped 2 of 16 rows"), skips
+    assert "line 3, image 0" in skips[0] and "line 9, image 0" in skips[0] and "--no_skip_bad_rows" in skips[0]
+
+
+@pytest.mark.trains
+def test_the_tiny_model_can_say_the_answers_of_the_column_your_reward_reads(tmp_path):
+    # Without --answer_column the reward reads `label`: the tiny model used to be built without those words.
+    _own_csv(tmp_path, rows=12)
+    proc = vlm_grpo("--dataset", "shapes.csv", "--reward_funcs", "my_rewards:label_first", "--test_size", "3",
+                    "--output_dir", "run", *TINY_RUN, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run" / "tiny-base")
+    assert all(tokenizer.tokenize(word) == [word] for word in ("circle", "square", "triangle"))
+    assert "chance 0.333" in proc.stdout  # the chance level of the column the accuracy reward reads
+
+
+def test_no_skip_bad_rows_stops_in_one_line_before_anything_is_evaluated(tmp_path):
+    _own_csv(tmp_path, rows=12)
+    os.remove(tmp_path / "img" / "7.jpg")  # CSV line 9
+    proc = vlm_grpo("--dataset", "shapes.csv", "--prompt_column", "question", "--answer_column", "label",
+                    "--image_column", "file", "--no_skip_bad_rows", "--output_dir", "run", cwd=tmp_path)  # fmt: skip
+    _refused(proc, "shapes.csv line 9, image 0: image file not found")
+    assert "held-out accuracy" not in proc.stdout and "skipped" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "header, message",
+    [
+        ("file,question,label,thumb", ("columns `file`, `thumb` all hold images; name the one to train on with "
+                                       "--image_column file.")),
+        ("photo,question,label", ("column `photo` is named like an image column but holds no image paths, URLs or "
+                                  "bytes (e.g. 'img/0'); if it holds images, name it with --image_column photo.")),
+    ],
+)  # fmt: skip
+def test_image_columns_that_cannot_be_told_apart_are_refused_naming_the_flag(tmp_path, header, message):
+    data = _own_csv(tmp_path, rows=6, header=header)
+    lines = data.read_text().splitlines()
+    if "thumb" in header:  # a second column of image paths
+        lines = [lines[0]] + [f"{line},{line.split(',')[0]}" for line in lines[1:]]
+    else:  # paths without their suffix: nothing says they are images
+        lines = [lines[0]] + [line.replace(".jpg", "", 1) for line in lines[1:]]
+    data.write_text("\n".join(lines) + "\n")
+    proc = vlm_grpo("--dataset", "shapes.csv", "--prompt_column", "question", "--answer_column", "label",
+                    "--output_dir", "run", cwd=tmp_path)  # fmt: skip
+    _refused(proc, message)
+    assert "rename_column" not in proc.stderr  # the flag, not Python, for a command-line user
     assert not (tmp_path / "run").exists()

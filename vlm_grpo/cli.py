@@ -77,6 +77,19 @@ def build_task(script: ScriptArguments, config: Any) -> Task:
         datasets.enable_progress_bars()
 
 
+def _say_where_the_images_are(task: Task) -> None:
+    """One line when your data's images were found by what a column holds (its name not `image` / `images`), and
+    one when no column holds images or clips: the run never goes text-only without saying so."""
+    columns = task.source_columns
+    if task.image_found_by_content:
+        print(f"images: column `{columns['image']}` (found by what it holds; --image_column names another)",
+              flush=True)  # fmt: skip
+    elif "image" not in columns and "video" not in columns:
+        print(f"{PROG}: warning: no column of --dataset holds images (image files, URLs or bytes; columns: "
+              f"{', '.join(task.train.column_names)}): the model trains on text only; name the image column with "
+              "--image_column.", file=sys.stderr, flush=True)  # fmt: skip
+
+
 def _note_if_unlearnable(task: Task) -> None:
     """One line, before any time is spent, when the offline tiny model (its vocabulary: your data's words) is unlikely
     to learn your data."""
@@ -226,6 +239,7 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     task = build_task(script, config)
     if script.dataset is not None:
         check_clips_family(script, task.train)
+        _say_where_the_images_are(task)
     if script.dataset is not None and script.model.startswith(TINY_PREFIX):
         _note_if_unlearnable(task)
     _say_what_is_measured(script, task)

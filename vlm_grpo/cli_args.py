@@ -142,7 +142,11 @@ class ScriptArguments:
         default=None, metadata={"help": "Question column (default: prompt, problem or question)."}
     )
     image_column: str | None = field(
-        default=None, metadata={"help": "Image column, one image or a list (default: images or image)."}
+        default=None,
+        metadata={
+            "help": "Image column, one image or a list (default: image or images, else the one column whose "
+            "values are image paths, URLs or bytes, found by what it holds)."
+        },
     )
     video_column: str | None = field(
         default=None,
@@ -151,7 +155,10 @@ class ScriptArguments:
     )  # fmt: skip
     answer_column: str | None = field(
         default=None,
-        metadata={"help": "Gold-answer column, passed to rewards as `answer` (default: answer or solution)."},
+        metadata={
+            "help": "Gold-answer column, passed to rewards as `answer` and under its own name (default: "
+            "answer or solution)."
+        },
     )
     system_prompt: str | None = field(default=None, metadata={"help": "System message added to every prompt."})
     prompt_template: str | None = field(
