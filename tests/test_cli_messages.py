@@ -4,6 +4,7 @@ typo, a Hub model while offline, a held-out share that leaves nothing to train o
 not needed (no bitsandbytes kernel line)."""
 
 import os
+import re
 import subprocess
 
 import pytest
@@ -232,3 +233,58 @@ def test_image_columns_that_cannot_be_told_apart_are_refused_naming_the_flag(tmp
     _refused(proc, message)
     assert "rename_column" not in proc.stderr  # the flag, not Python, for a command-line user
     assert not (tmp_path / "run").exists()
+
+
+def _interrupted(tmp_path, args: list[str], ready) -> subprocess.CompletedProcess:
+    """The console script run with `args` and stopped with Ctrl-C (SIGINT) once `ready()` holds, as a terminal's
+    Ctrl-C stops it; its exit status and output."""
+    import signal
+    import time
+
+    exe, env = _console_script()
+    proc = subprocess.Popen([exe, *args], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not ready():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _records(path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.mark.trains
+def test_ctrl_c_is_one_line_naming_the_step_and_what_is_left_and_a_rerun_never_overwrites_it(tmp_path):
+    # Issue 46 (4): Ctrl-C printed a 60-line KeyboardInterrupt traceback and no step; rerunning a run that had kept
+    # no checkpoint started over and overwrote its metrics.jsonl without a word.
+    run = tmp_path / "run"
+    args = ["--output_dir", "run", "--train_size", "8", "--test_size", "30", *TINY_RUN[2:], "--max_steps", "5000"]
+    proc = _interrupted(tmp_path, args, lambda: _records(run / "metrics.jsonl") >= 2)
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"vlm-grpo: stopped at step \d+ of 5000; checkpoints: none \(--save_strategy steps "
+                        r"--save_steps N keeps them\); start over with the same command plus --overwrite_output_dir\.",
+                        last), last  # fmt: skip
+    assert [line for line in proc.stderr.splitlines() if line.startswith("vlm-grpo")] == [last]  # and no traceback
+    record = (run / "metrics.jsonl").read_text()
+    again = vlm_grpo(*args, cwd=tmp_path)
+    _refused(again, "--output_dir run holds an earlier run's metrics.jsonl (up to step ")
+    assert "start over with --overwrite_output_dir" in again.stderr
+    assert (run / "metrics.jsonl").read_text() == record  # untouched
+
+    # With checkpoints: the newest complete one, and the command that goes on from it.
+    kept = tmp_path / "kept"
+    args = ["--output_dir", "kept", *args[2:], "--save_strategy", "steps", "--save_steps", "1"]
+    proc = _interrupted(tmp_path, args, lambda: (kept / "checkpoint-2" / "trainer_state.json").exists())
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    match = re.fullmatch(r"vlm-grpo: stopped at step (\d+) of 5000; checkpoints: newest kept/checkpoint-(\d+); "
+                         r"resume with the same command plus --resume_from_checkpoint\.", last)  # fmt: skip
+    assert match and int(match[2]) >= 2 and int(match[2]) <= int(match[1]), last

@@ -222,6 +222,38 @@ def _save_final(trainer: Any, processor: Any, final: str) -> None:
     trainer.accelerator.wait_for_everyone()
 
 
+class Stopped(KeyboardInterrupt):
+    """Training stopped by Ctrl-C (SIGINT) at `step` of `max_steps`, its run in `output_dir`."""
+
+    def __init__(self, step: int, max_steps: int, output_dir: str) -> None:
+        super().__init__(step, max_steps, output_dir)
+        self.step, self.max_steps, self.output_dir = step, max_steps, output_dir
+
+
+def _close_bars(trainer: Any) -> None:
+    """End the progress bar's line, so what is printed next starts a line of its own."""
+    from transformers import ProgressCallback
+
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
+            callback.training_bar.close()
+
+
+def stopped_line(stopped: Stopped | None) -> str:
+    """The one line a Ctrl-C ends with: the step, the checkpoints there are and the command that goes on from the
+    newest, or how to start over without mixing the runs."""
+    from .checkpoints import newest_complete_checkpoint
+
+    if stopped is None:  # before training began (loading, the held-out evaluation): nothing was trained
+        return "stopped before training began; nothing was trained."
+    where = f"stopped at step {stopped.step} of {stopped.max_steps}"
+    checkpoint = newest_complete_checkpoint(stopped.output_dir)
+    if checkpoint is not None:
+        return f"{where}; checkpoints: newest {checkpoint}; resume with the same command plus --resume_from_checkpoint."
+    return (f"{where}; checkpoints: none (--save_strategy steps --save_steps N keeps them); start over with the "
+            "same command plus --overwrite_output_dir.")  # fmt: skip
+
+
 def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     """Train on the synthetic task or `script.dataset`; return held-out metrics before and after (`before/…`,
     `after/…`; empty without a held-out set). Raises `UsageError` for bad arguments, before writing anything."""
@@ -276,7 +308,11 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
         trainer = VLMGRPOTrainer(model=model, reward_funcs=task.reward_funcs, args=config, train_dataset=task.train,
                                  processing_class=processor, **tools)  # fmt: skip
     _show_progress(trainer, metrics_path, reward_name(task.accuracy))
-    trainer.train(resume_from_checkpoint=resume)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C: main says where it stopped and what is left, in one line
+        _close_bars(trainer)
+        raise Stopped(trainer.state.global_step, trainer.state.max_steps, config.output_dir) from interrupt
     # Saved before the held-out evaluation, so a failure there cannot lose it.
     _save_final(trainer, processor, os.path.join(config.output_dir, "final"))
 
@@ -303,7 +339,7 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point of `vlm-grpo`: the exit status (0 success, 1 non-finite accuracy or nothing to learn,
-    2 bad arguments)."""
+    2 bad arguments, 130 stopped by Ctrl-C)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if "--help-all" in argv:
@@ -316,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as interrupt:  # Ctrl-C: one line, and the shell's status for it (128 + SIGINT)
+        print(f"{PROG}: {stopped_line(interrupt if isinstance(interrupt, Stopped) else None)}", file=sys.stderr)
+        return 130
     except RuntimeError as error:
         from .dynamic_sampling import NoRewardVariance  # here, not above: --help must not import torch
 

@@ -4,6 +4,7 @@ from, and refuses a run that would overwrite an earlier one's."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -217,11 +218,32 @@ def resume_checkpoint(script: ScriptArguments, config: Any) -> str | None:
 
 def _refuse_a_finished_run(script: ScriptArguments, config: Any) -> None:
     """A new run into a directory holding a finished run's `final/` (a run that kept no checkpoints) would overwrite
-    its trained model: refused unless `--overwrite_output_dir`."""
+    its trained model, and one into a run stopped before its first checkpoint would overwrite its `metrics.jsonl`:
+    both refused unless `--overwrite_output_dir`."""
+    if script.overwrite_output_dir:
+        return
     final = os.path.join(config.output_dir, "final")
-    if os.path.lexists(final) and not script.overwrite_output_dir:
+    if os.path.lexists(final):
         raise UsageError(f"--output_dir {config.output_dir} holds an earlier run's trained model ({final}): choose "
                          "another --output_dir, or replace it with --overwrite_output_dir.")  # fmt: skip
+    steps = _recorded_steps(os.path.join(config.output_dir, "metrics.jsonl"))
+    if steps:
+        raise UsageError(f"--output_dir {config.output_dir} holds an earlier run's metrics.jsonl (up to step "
+                         f"{max(steps)}) and no checkpoint to resume from: start over with --overwrite_output_dir "
+                         "(it deletes them), or choose another --output_dir.")  # fmt: skip
+
+
+def _recorded_steps(path: str) -> list[int]:
+    """The steps a metrics.jsonl holds records of ([] for none, or no file); a line cut short is not one."""
+    import json
+
+    steps = []
+    if os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                with contextlib.suppress(ValueError, AttributeError):
+                    steps.append(int(json.loads(line).get("step", 0)))
+    return steps
 
 
 def _note_generation_batch_split(config: Any, checkpoint: str) -> None:
