@@ -8,7 +8,7 @@ import re
 import subprocess
 
 import pytest
-from test_cli import TINY_RUN, _console_script, _metrics, _shapes_csv, vlm_grpo
+from test_cli import ROOT, TINY_RUN, _console_script, _metrics, _shapes_csv, vlm_grpo
 from transformers import AutoTokenizer
 
 from vlm_grpo.cli import main
@@ -288,3 +288,22 @@ def test_ctrl_c_is_one_line_naming_the_step_and_what_is_left_and_a_rerun_never_o
     match = re.fullmatch(r"vlm-grpo: stopped at step (\d+) of 5000; checkpoints: newest kept/checkpoint-(\d+); "
                          r"resume with the same command plus --resume_from_checkpoint\.", last)  # fmt: skip
     assert match and int(match[2]) >= 2 and int(match[2]) <= int(match[1]), last
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_the_gpu_recipe_on_a_cpu_without_the_model_says_so_first_and_offers_the_tiny_model(tmp_path, offline):
+    # Issue 46 (6): it first said "4-bit loading needs bitsandbytes"; the Hub message came only after
+    # `--load_in_4bit false`.
+    exe, env = _console_script()
+    env = {**env, "HF_HOME": str(tmp_path / "hf-home")}  # an empty cache
+    if not offline:  # online, the Hub unreachable: a port nothing listens on refuses at once
+        env.pop("HF_HUB_OFFLINE")
+        env["HF_ENDPOINT"] = "http://127.0.0.1:9"
+    recipe = os.path.join(ROOT, "examples", "recipes", "qwen2_5_vl_3b_count.yaml")
+    proc = subprocess.run([exe, "--config", recipe, "--output_dir", "run"], check=False, capture_output=True,
+                          text=True, env=env, timeout=300, cwd=tmp_path)  # fmt: skip
+    reason = "not in the local Hugging Face cache and HF_HUB_OFFLINE is set" if offline else "cannot reach the Hugging"
+    _refused(proc, f"--model Qwen/Qwen2.5-VL-3B-Instruct: {reason}")
+    assert proc.stderr.strip().endswith("(--model tiny:qwen2_5_vl --load_in_4bit false).")  # a command that runs here
+    assert "bitsandbytes" not in proc.stderr and "CUDA" not in proc.stderr
+    assert not (tmp_path / "run").exists()

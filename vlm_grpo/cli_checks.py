@@ -121,6 +121,10 @@ def check_args(script: ScriptArguments, config: Any) -> None:
     _check_tools(script, config)
     if script.model.startswith((".", "/", "~")) and not os.path.exists(os.path.expanduser(script.model)):
         raise UsageError(f"--model {script.model}: no such directory.")
+    # The model first: a GPU recipe run where the Hub is out of reach needs `tiny:` more than it needs bitsandbytes.
+    if not script.model.startswith(TINY_PREFIX) and not os.path.exists(os.path.expanduser(script.model)):
+        quantized = [f"--load_in_{bits}bit false" for bits in (4, 8) if getattr(script, f"load_in_{bits}bit")]
+        check_hub_model(script.model, " ".join(quantized) if config.use_cpu else "")
     try:
         check_quantization(script.load_in_4bit, script.load_in_8bit)
     except (ValueError, RuntimeError, ImportError) as error:
@@ -135,14 +139,13 @@ def check_args(script: ScriptArguments, config: Any) -> None:
         raise UsageError(
             f"--reward_weights has {len(config.reward_weights)} value(s) for {max(len(funcs), 1)} reward function(s)."
         )
-    if not script.model.startswith(TINY_PREFIX) and not os.path.exists(os.path.expanduser(script.model)):
-        check_hub_model(script.model)
 
 
-def check_hub_model(model: str) -> None:
+def check_hub_model(model: str, tiny_flags: str = "") -> None:
     """A Hub model id that is cached, or reachable on the Hub, passes; otherwise one `UsageError` naming the model,
     the reason and the way forward, before anything is written (transformers would retry five times, print a
-    76-line traceback and leave an empty output directory)."""
+    76-line traceback and leave an empty output directory). `tiny_flags` go with the offline tiny model the message
+    offers (`--load_in_4bit false` where a recipe's quantization cannot run)."""
     from huggingface_hub import HfApi, try_to_load_from_cache
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
@@ -154,7 +157,7 @@ def check_hub_model(model: str) -> None:
             print(f"{model}: the Hugging Face Hub is unreachable; using the cached copy (HF_HUB_OFFLINE=1).",
                   flush=True)  # fmt: skip
         return
-    offline = " offline tiny model (--model tiny:qwen2_5_vl)"
+    offline = f" offline tiny model (--model tiny:qwen2_5_vl{' ' + tiny_flags if tiny_flags else ''})"
     if offline_set:
         raise UsageError(f"--model {model}: not in the local Hugging Face cache and HF_HUB_OFFLINE is set; download "
                          f"it where there is internet (hf download {model}) or train the{offline}.")  # fmt: skip
