@@ -161,7 +161,10 @@ def test_help_is_quick_it_imports_neither_torch_nor_transformers():
             ["--tools", "zoom", "--model", "tiny:gemma3", "--max_completion_length", "256"],
             "tiny:gemma3 cannot write tool calls; use one of tiny:qwen2_vl",
         ),
-        (["--tools", "zoom", "--task", "zoom"], "--tools needs --max_completion_length 128 or more (got 4)"),
+        (
+            ["--tools", "zoom", "--task", "zoom", "--max_completion_length", "4"],
+            "--tools needs --max_completion_length 128 or more (got 4)",
+        ),
         (["--tools", "zoom", "--task", "motion", "--max_completion_length", "256"], "--tools with clips"),
     ],
 )

@@ -307,3 +307,38 @@ def test_the_gpu_recipe_on_a_cpu_without_the_model_says_so_first_and_offers_the_
     assert proc.stderr.strip().endswith("(--model tiny:qwen2_5_vl --load_in_4bit false).")  # a command that runs here
     assert "bitsandbytes" not in proc.stderr and "CUDA" not in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.trains
+def test_tools_alone_pick_budgets_that_fit_and_say_so_and_that_a_tiny_model_will_not_call_them(tmp_path):
+    # Issue 46 (5): `--task zoom --tools zoom` stopped on "--tools needs --max_completion_length 128 or more (got 4)".
+    proc = vlm_grpo("--task", "zoom", "--tools", "zoom", "--output_dir", "run", "--max_steps", "1", "--train_size",
+                    "4", "--test_size", "2", "--per_device_train_batch_size", "2", "--num_generations", "2",
+                    cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[0] == (
+        "--tools: --max_completion_length 256 and --max_tool_calling_iterations 2 (room for a call, the tool's image "
+        "and the answer; set them to change it)"
+    )
+    assert "does not call tools by itself: this run checks the tool loop, not tool use" in proc.stderr
+    step = next(r for r in _metrics(tmp_path / "run") if "tools/call_frequency" in r)
+    assert step["completions/max_length"] <= 256
+    # A budget you set is yours: kept, and checked.
+    proc = vlm_grpo("--task", "zoom", "--tools", "zoom", "--max_completion_length", "64", "--output_dir", "small",
+                    cwd=tmp_path)  # fmt: skip
+    _refused(proc, "--tools needs --max_completion_length 128 or more (got 64)")
+
+
+@pytest.mark.trains
+def test_a_run_shorter_than_the_logging_interval_logs_every_step_and_the_bar_shows_each_number_once(tmp_path):
+    # Issue 46 (7): --max_steps below --logging_steps (default 10) logged once, a one-point plot; the bar showed
+    # `reward=0.973, acc=0.973`, the one training reward twice, `acc` read as the held-out accuracy.
+    proc = vlm_grpo("--output_dir", "run", "--train_size", "8", "--test_size", "2", "--max_steps", "3",
+                    *TINY_RUN[2:-2], cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in _metrics(tmp_path / "run") if "reward" in r] == [1, 2, 3]
+    assert "reward=" in proc.stderr and "acc=" not in proc.stderr and "choice_accuracy=" not in proc.stderr
+    # A logging interval you set is yours.
+    proc = vlm_grpo("--output_dir", "mine", "--train_size", "8", "--test_size", "2", "--max_steps", "3",
+                    *TINY_RUN[2:-2], "--logging_steps", "2", cwd=tmp_path)  # fmt: skip
+    assert [r["step"] for r in _metrics(tmp_path / "mine") if "reward" in r] == [2, 3]

@@ -24,6 +24,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import sys
 import warnings
 from dataclasses import fields
@@ -190,8 +191,6 @@ _RUN_OUTPUTS = ("final", "metrics.jsonl", "eval.json", "reward_curve.png")
 
 def _clear_earlier_run(output_dir: str) -> None:
     """Delete an earlier run's checkpoints and outputs from `output_dir` (`--overwrite_output_dir`), saying which."""
-    import shutil
-
     from .checkpoints import checkpoint_dirs
 
     doomed = checkpoint_dirs(output_dir) + [os.path.join(output_dir, n) for n in _RUN_OUTPUTS]
@@ -295,6 +294,10 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
               f"{_chance(task)}", flush=True)  # fmt: skip
         if script.tools:
             print("held-out accuracy is measured in one turn, without tools (the rollouts use them)", flush=True)
+    if script.tools and script.model.startswith(TINY_PREFIX):  # before a long run teaches nothing about tools
+        print(f"{PROG}: note: a {TINY_PREFIX} model starts from random weights and does not call tools by itself: this "
+              "run checks the tool loop, not tool use (a pretrained --model learns that; "
+              "examples/recipes/qwen2_5_vl_3b_zoom_tools.yaml).", file=sys.stderr, flush=True)  # fmt: skip
 
     metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
     tools = {}
@@ -331,7 +334,7 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     os.replace(tmp_json, os.path.join(config.output_dir, "eval.json"))
     plot_reward_curve(metrics_path, os.path.join(config.output_dir, "reward_curve.png"),
                       title=f"GRPO: {task.name} — {script.model}", before=before.get("accuracy", math.nan),
-                      after=results.get("after/accuracy", math.nan))  # fmt: skip
+                      after=results.get("after/accuracy", math.nan), max_steps=trainer.state.max_steps)  # fmt: skip
     base = ", tiny-base/ (the model it started from)" if script.model.startswith(TINY_PREFIX) else ""
     print(f"wrote {config.output_dir}/: metrics.jsonl, reward_curve.png, eval.json, final/{base}", flush=True)
     return results
