@@ -13,15 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from ..media.columns import IMAGE_COLUMNS, IMAGE_LIKE_NAMES, VIDEO_COLUMNS, holds_images
-from ..media.images import fetch_image_bytes
 
-__all__ = ["SAMPLE_ROWS", "fetch_url", "find_image_column"]
+__all__ = ["SAMPLE_ROWS", "find_image_column"]
 
 #: Rows a column's values are read from to tell whether it holds images: enough to see through a few empty cells,
 #: few enough to be instant on any dataset.
 SAMPLE_ROWS = 32
-
-fetch_url = fetch_image_bytes  # the loader's name for it: an image URL's bytes, or None
 
 
 def _is_image_feature(feature: Any) -> bool:
@@ -37,11 +34,9 @@ def find_image_column(dataset: Any, given: str | None, video_column: str | None)
     list of frame paths there is a clip, and its images (if any) are named.
 
     Raises:
-        DatasetError: two or more columns hold images, or a column named like images (`photo`) holds none; the
-            message names `--image_column`.
+        ValueError: two or more columns hold images, or a column named like images (`photo`) holds none; the
+            message names `--image_column` (the loader raises it as its `DatasetError`).
     """
-    from .sources import DatasetError
-
     columns = list(dataset.column_names)
     if given is not None or any(c in columns for c in IMAGE_COLUMNS):
         return given if given is not None else next(c for c in IMAGE_COLUMNS if c in columns)
@@ -53,14 +48,14 @@ def find_image_column(dataset: Any, given: str | None, video_column: str | None)
     found = [c for c in candidates if _is_image_feature(dataset.features[c]) or holds_images(sample[c])]
     if len(found) > 1:
         shown = ", ".join(f"`{c}`" for c in found)
-        raise DatasetError(f"columns {shown} all hold images; name the one to train on with --image_column "
+        raise ValueError(f"columns {shown} all hold images; name the one to train on with --image_column "
                            f"{found[0]}.")  # fmt: skip
     if found:
         return found[0]
     named = [c for c in candidates if c.lower() in IMAGE_LIKE_NAMES]
     if named:
         example = next((v for v in sample[named[0]] if v is not None), None)
-        raise DatasetError(f"column `{named[0]}` is named like an image column but holds no image paths, URLs or bytes "
+        raise ValueError(f"column `{named[0]}` is named like an image column but holds no image paths, URLs or bytes "
                            f"(e.g. {str(example)[:60]!r}); if it holds images, name it with --image_column "
                            f"{named[0]}.")  # fmt: skip
     return None

@@ -10,7 +10,8 @@ import os
 from typing import Any, NamedTuple
 
 from ..media.columns import IMAGE_COLUMNS, VIDEO_COLUMNS, is_image_url
-from .image_columns import fetch_url, find_image_column
+from ..media.images import fetch_image_bytes
+from .image_columns import find_image_column
 
 __all__ = ["FILE_BUILDERS", "DatasetError", "Source", "load_source", "load_split"]
 
@@ -105,7 +106,7 @@ def load_source(
     if _looks_local(source):
         raise DatasetError(f"no such file or directory: {source}")
     dataset = datasets.load_dataset(source, name, split=split)  # a Hub id: its image columns are datasets.Image
-    found = find_image_column(dataset, image_column, video_column)
+    found = _image_column(dataset, image_column, video_column)
     return Source(dataset, None, found, found not in (image_column, *IMAGE_COLUMNS))
 
 
@@ -211,7 +212,7 @@ def _media_as_features(
     image column is `image_column`, else `image` / `images`, else the one found by its values."""
     from datasets import List, Sequence, Value
 
-    found = find_image_column(dataset, image_column, video_column)
+    found = _image_column(dataset, image_column, video_column)
     for column in dict.fromkeys(c for c in (found, *IMAGE_COLUMNS) if c in dataset.column_names):
         feature = dataset.features[column]
         inner = feature.feature if isinstance(feature, (List, Sequence)) else feature
@@ -225,6 +226,14 @@ def _media_as_features(
         elif isinstance(inner, Value) and inner.dtype in ("binary", "large_binary"):  # encoded video files
             dataset = _bytes_clips(dataset, column)
     return Source(dataset, row_names, found, found not in (image_column, *IMAGE_COLUMNS))
+
+
+def _image_column(dataset: Any, image_column: str | None, video_column: str | None) -> str | None:
+    """`find_image_column`, its refusal a `DatasetError`."""
+    try:
+        return find_image_column(dataset, image_column, video_column)
+    except ValueError as error:
+        raise DatasetError(str(error)) from None
 
 
 def _bytes_clips(dataset: Any, column: str) -> Any:
@@ -266,7 +275,7 @@ def _resolve_images(dataset: Any, column: str, as_list: bool, base_dir: str) -> 
         if value is None or isinstance(value, bytes):
             return None if value is None else {"bytes": value, "path": None}
         if is_image_url(value):  # fetched once, here: `datasets` would need aiohttp to read it at every step
-            return {"bytes": fetch_url(value), "path": value}
+            return {"bytes": fetch_image_bytes(value), "path": value}
         # A missing file is kept as its path: `drop_unreadable_rows` skips its row like one with a corrupt image.
         return {"bytes": None, "path": os.path.join(base_dir, os.path.expanduser(value))}
 
