@@ -94,6 +94,14 @@ def test_console_script_succeeds_quietly_and_writes_readable_outputs(tmp_path):
         assert stat.S_IMODE((out / weights / "model.safetensors").stat().st_mode) == 0o644, weights
     assert stat.S_IMODE((out / "checkpoint-2" / "optimizer.pt").stat().st_mode) == 0o644
     assert not [p for p in os.listdir(out) if ".tmp" in p]
+    # The model card (in final/, and the one checkpoints keep in --output_dir) names the local base model, not TRL's
+    # "[None](https://huggingface.co/None)", and its quick start asks the trained model, final/, a question of the
+    # task about an image, not TRL's "If you had a time machine..." (issue 46).
+    for card in (out / "final" / "README.md", out / "README.md"):
+        text = card.read_text()
+        assert f"fine-tuned version of `{out}/tiny-base` (a local model)" in text and "None" not in text
+        assert f'pipeline("image-text-to-text", model="{out}/final"' in text
+        assert "question = 'What colour is the shape? Answer with one word.'" in text and "time machine" not in text
 
 
 def test_help_fits_a_screen_and_help_all_lists_every_flag_with_its_default_once():

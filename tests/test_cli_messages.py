@@ -342,3 +342,25 @@ def test_a_run_shorter_than_the_logging_interval_logs_every_step_and_the_bar_sho
     proc = vlm_grpo("--output_dir", "mine", "--train_size", "8", "--test_size", "2", "--max_steps", "3",
                     *TINY_RUN[2:-2], "--logging_steps", "2", cwd=tmp_path)  # fmt: skip
     assert [r["step"] for r in _metrics(tmp_path / "mine") if "reward" in r] == [2, 3]
+
+
+@pytest.mark.trains
+def test_a_reward_that_pays_nothing_at_the_start_is_said_once_with_its_likely_cause(tmp_path, tiny_dir):
+    # Issue 46 (2): a tiny model without the answers' words scored 0.0 at every step, and nothing said why. A model of
+    # your own built without them (here: the tiny model's base words only) cannot write `circle`.
+    _own_csv(tmp_path, rows=12)
+    proc = vlm_grpo("--model", tiny_dir("qwen2_5_vl"), "--dataset", "shapes.csv", "--reward_funcs",
+                    "my_rewards:label_first", "--test_size", "3", "--output_dir", "run", *TINY_RUN, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notes = [line for line in proc.stderr.splitlines() if "paid 0 for every completion" in line]
+    assert len(notes) == 1, proc.stderr[-3000:]
+    assert re.match(
+        r"vlm-grpo: note: reward `label_first` paid 0 for every completion of the first 2 logged steps, so GRPO has "
+        r"nothing to learn from there; likely cause: the model's vocabulary lacks 3 of the gold answers in `label` "
+        r"\(e.g. '(circle|square|triangle)'\), so it cannot write them",
+        notes[0],
+    ), notes[0]
+    # A reward that pays from the start says nothing.
+    proc = vlm_grpo("--dataset", "shapes.csv", "--reward_funcs", "my_rewards:saw_image", "--test_size", "3",
+                    "--output_dir", "paid", *TINY_RUN, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0 and "paid 0" not in proc.stderr, proc.stderr[-3000:]

@@ -174,6 +174,7 @@ def _show_progress(trainer: Any, metrics_path: str, accuracy: str) -> None:
     from transformers import PrinterCallback, ProgressCallback
 
     from .callbacks import MetricsJsonlCallback, RewardPrinter, RewardProgressBar
+    from .reward_watch import ZeroRewardNote
 
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
@@ -182,6 +183,14 @@ def _show_progress(trainer: Any, metrics_path: str, accuracy: str) -> None:
     # `--log_completions true` also sends TRL's completion tables to wandb / trackio and output_dir/completions/.
     samples = trainer.args.num_completions_to_print or 4
     trainer.add_callback(MetricsJsonlCallback(metrics_path, trainer=trainer, num_samples=samples))
+    trainer.add_callback(ZeroRewardNote(trainer, say=_say_above_the_bar))
+
+
+def _say_above_the_bar(line: str) -> None:
+    """One line of ours on stderr during training, above the progress bar (which tqdm redraws below it)."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"{PROG}: {line}", file=sys.stderr)
 
 
 # What a run writes to --output_dir besides tiny-base/ (rebuilt by every run): --overwrite_output_dir deletes an
@@ -206,15 +215,23 @@ def _clear_earlier_run(output_dir: str) -> None:
 
 
 def _save_final(trainer: Any, processor: Any, final: str) -> None:
-    """The trained model and its processor to `final`, written atomically by rank 0."""
+    """The trained model and its processor to `final`, written atomically by rank 0, with its model card (whose quick
+    start loads `final`; the card TRL keeps in --output_dir for checkpoints is pointed there too)."""
     from .callbacks import library_bars_off
     from .export import atomic_directory
 
     # A collective (sharded weights are gathered on every rank); rank 0 writes.
     if trainer.accelerator.is_main_process:
+        card = os.path.join(trainer.args.output_dir, "README.md")
+        had_card = os.path.exists(card)
         with atomic_directory(final) as tmp, library_bars_off():
             trainer.save_model(tmp)
             processor.save_pretrained(tmp)
+            name = os.path.basename(os.path.normpath(trainer.args.output_dir))  # as TRL names it
+            trainer.create_model_card(model_name=name, model_dir=final)
+            os.replace(card, os.path.join(tmp, "README.md"))
+        if had_card:  # checkpoints wrote one: it now names final/ as well
+            shutil.copyfile(os.path.join(final, "README.md"), card)
     else:
         with library_bars_off():
             trainer.save_model(final)  # joins the gather; writes nothing off rank 0
