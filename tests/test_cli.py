@@ -333,8 +333,9 @@ def test_image_folder_with_metadata(tmp_path):
     assert "(shapes, 2 prompts)" in proc.stdout
     assert len([r for r in _metrics(out) if "reward" in r]) == 2
     # Answers of two words: the offline tiny model will not learn them, and the command says so, once, up front.
-    [note] = [line for line in proc.stderr.splitlines() if "note:" in line]
+    [note] = [line for line in proc.stderr.splitlines() if "gold answers are several tokens" in line]
     assert note.startswith("vlm-grpo: note: 6 of 6 gold answers are several tokens") and "--model" in note
+    assert proc.stderr.index(note) < proc.stderr.index("it/s")  # up front, before training
 
 
 def test_system_prompt_and_template_reach_the_synthetic_task_prompts(tmp_path):

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from .cli_args import PROG, TINY_PREFIX, ScriptArguments, UsageError, build_parser, parse_args, short_help
 from .cli_checks import check_args, check_clips_family, resolve_rewards, resume_checkpoint
+from .cli_stop import Stopped, stopped_line, stops_as
 from .demo import DEMO
 
 if TYPE_CHECKING:
@@ -238,45 +239,12 @@ def _save_final(trainer: Any, processor: Any, final: str) -> None:
     trainer.accelerator.wait_for_everyone()
 
 
-class Stopped(KeyboardInterrupt):
-    """Training stopped by Ctrl-C (SIGINT) at `step` of `max_steps`, its run in `output_dir`."""
-
-    def __init__(self, step: int, max_steps: int, output_dir: str) -> None:
-        super().__init__(step, max_steps, output_dir)
-        self.step, self.max_steps, self.output_dir = step, max_steps, output_dir
-
-
-def _close_bars(trainer: Any) -> None:
-    """End the progress bar's line, so what is printed next starts a line of its own."""
-    from transformers import ProgressCallback
-
-    for callback in trainer.callback_handler.callbacks:
-        if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
-            callback.training_bar.close()
-
-
-def stopped_line(stopped: Stopped | None) -> str:
-    """The one line a Ctrl-C ends with: the step, the checkpoints there are and the command that goes on from the
-    newest, or how to start over without mixing the runs."""
-    from .checkpoints import newest_complete_checkpoint
-
-    if stopped is None:  # before training began (loading, the held-out evaluation): nothing was trained
-        return "stopped before training began; nothing was trained."
-    where = f"stopped at step {stopped.step} of {stopped.max_steps}"
-    checkpoint = newest_complete_checkpoint(stopped.output_dir)
-    if checkpoint is not None:
-        return f"{where}; checkpoints: newest {checkpoint}; resume with the same command plus --resume_from_checkpoint."
-    return (f"{where}; checkpoints: none (--save_strategy steps --save_steps N keeps them); start over with the "
-            "same command plus --overwrite_output_dir.")  # fmt: skip
-
-
 def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     """Train on the synthetic task or `script.dataset`; return held-out metrics before and after (`before/…`,
     `after/…`; empty without a held-out set). Raises `UsageError` for bad arguments, before writing anything."""
     import torch
 
-    from .callbacks import library_bars_off, plot_reward_curve
-    from .engine.sharded import full_weights
+    from .callbacks import library_bars_off
     from .evaluation import evaluate
     from .media.video_budget import VIDEO_SETTINGS
     from .reward_checks import reward_name
@@ -328,11 +296,20 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
         trainer = VLMGRPOTrainer(model=model, reward_funcs=task.reward_funcs, args=config, train_dataset=task.train,
                                  processing_class=processor, **tools)  # fmt: skip
     _show_progress(trainer, metrics_path, reward_name(task.accuracy))
-    try:
+    with stops_as(trainer, config.output_dir, trained=False):  # Ctrl-C: main says where it stopped, in one line
         trainer.train(resume_from_checkpoint=resume)
-    except KeyboardInterrupt as interrupt:  # Ctrl-C: main says where it stopped and what is left, in one line
-        _close_bars(trainer)
-        raise Stopped(trainer.state.global_step, trainer.state.max_steps, config.output_dir) from interrupt
+    with stops_as(trainer, config.output_dir, trained=True):
+        return _finish(script, config, task, trainer, processor, before, score)
+
+
+def _finish(
+    script: ScriptArguments, config: Any, task: Task, trainer: Any, processor: Any, before: dict, score: dict
+) -> dict[str, float]:
+    """After training: `final/`, the held-out accuracy after, `eval.json` and the reward plot; the metrics returned."""
+    from .callbacks import plot_reward_curve
+    from .engine.sharded import full_weights
+    from .evaluation import evaluate
+
     # Saved before the held-out evaluation, so a failure there cannot lose it.
     _save_final(trainer, processor, os.path.join(config.output_dir, "final"))
 
@@ -349,6 +326,7 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     with open(tmp_json, "w") as f:
         json.dump(results, f, indent=2)
     os.replace(tmp_json, os.path.join(config.output_dir, "eval.json"))
+    metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
     plot_reward_curve(metrics_path, os.path.join(config.output_dir, "reward_curve.png"),
                       title=f"GRPO: {task.name} — {script.model}", before=before.get("accuracy", math.nan),
                       after=results.get("after/accuracy", math.nan), max_steps=trainer.state.max_steps)  # fmt: skip
