@@ -20,6 +20,7 @@ from vlm_grpo.callbacks import (
     keep_records_up_to,
     library_bars_off,
     plot_reward_curve,
+    reward_curve_figure,
     reward_summary,
 )
 from vlm_grpo.data import answer_words
@@ -114,12 +115,16 @@ LOGS = {"loss": 0.1, "reward": 0.75, "rewards/choice_accuracy/mean": 0.5, "rewar
         "rewards/think_answer_format_long_name/mean": 1.0, "kl": 0.00123}  # fmt: skip
 
 
-def test_reward_summary_names_the_accuracy_reward_it_is_given():
-    assert reward_summary(LOGS, accuracy="choice_accuracy") == {
-        "reward": "0.750", "acc": "0.500", "think_answer_for": "1.000", "kl": "0.00123"
+def test_reward_summary_shows_each_training_number_once_under_its_own_name():
+    # Several rewards: each under its own (shortened) name, the accuracy reward first; never `acc`, which read as the
+    # held-out accuracy (issue 46).
+    assert reward_summary(LOGS, accuracy="think_answer_format_long_name") == {
+        "reward": "0.750", "think_answer_for": "1.000", "choice_accuracy": "0.500", "kl": "0.00123"
     }  # fmt: skip
-    # No accuracy reward named: every reward under its own (shortened) name, whatever the names contain.
     assert list(reward_summary(LOGS)) == ["reward", "choice_accuracy", "think_answer_for", "kl"]
+    # One reward: its mean is the reward, shown once (the bar showed `reward=0.973, acc=0.973`).
+    one = {"reward": 0.973, "rewards/choice_accuracy/mean": 0.973, "kl": 0.001}
+    assert reward_summary(one, accuracy="choice_accuracy") == {"reward": "0.973", "kl": "0.001"}
 
 
 def _args():
@@ -134,7 +139,10 @@ def test_reward_printer_prints_one_line_per_training_record(capsys):
     printer, state = RewardPrinter("choice_accuracy"), TrainerState(global_step=10, max_steps=400)
     printer.on_log(_args(), state, TrainerControl(), logs=LOGS)
     printer.on_log(_args(), state, TrainerControl(), logs={"train_runtime": 1.0})  # not a training record
-    assert capsys.readouterr().out == "step 10/400  reward 0.750  acc 0.500  think_answer_for 1.000  kl 0.00123\n"
+    assert (
+        capsys.readouterr().out
+        == "step 10/400  reward 0.750  choice_accuracy 0.500  think_answer_for 1.000  kl 0.00123\n"
+    )
 
 
 def test_reward_progress_bar_shows_the_summary_in_its_postfix():
@@ -144,7 +152,7 @@ def test_reward_progress_bar_shows_the_summary_in_its_postfix():
     bar.on_train_begin(_args(), state, TrainerControl())
     try:
         bar.on_log(_args(), state, TrainerControl(), logs=LOGS)
-        assert "reward=0.750" in str(bar.training_bar) and "acc=0.500" in str(bar.training_bar)
+        assert "reward=0.750, choice_accuracy=0.500" in str(bar.training_bar) and "acc=" not in str(bar.training_bar)
     finally:
         bar.on_train_end(_args(), state, TrainerControl())
 
@@ -159,6 +167,16 @@ def test_reward_curve_png_is_written_whole_from_the_metrics_file(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curve.png", "metrics.jsonl"]  # no temporary left
     plot_reward_curve(metrics, tmp_path / "no-eval.png", title="no held-out set")  # NaN before/after: no lines
     assert Image.open(tmp_path / "no-eval.png").size == (720, 420)
+
+
+def test_a_one_point_reward_curve_is_drawn_from_step_0_and_reward_0_to_1(tmp_path):
+    # Issue 46: with --max_steps below --logging_steps, one point at step 5 on a 4.8-5.2 axis.
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(json.dumps({"step": 5, "reward": 0.25}) + "\n")
+    [axes] = reward_curve_figure(metrics, title="t", before=0.1, max_steps=5).axes
+    assert axes.get_xlim() == (0, 5) and axes.get_ylim()[0] <= 0 and axes.get_ylim()[1] >= 1
+    [axes] = reward_curve_figure(metrics, title="t", after=1.4).axes  # an accuracy above 1 stays in view
+    assert axes.get_xlim() == (0, 5) and axes.get_ylim()[1] > 1.4
 
 
 def test_metrics_of_a_resumed_run_are_cut_back_to_its_checkpoint(tmp_path):
@@ -209,7 +227,7 @@ def test_library_bars_off_hides_transformers_bars_inside_and_restores_them_after
 def test_summaries_show_none_and_nan_as_a_dash(capsys, tmp_path):
     # TRL logs `reward` None (NaN before logging) when no reward function scored a step.
     logs = {"reward": None, "rewards/choice/mean": float("nan"), "rewards/format/mean": 0.5, "kl": None}
-    assert reward_summary(logs, "choice") == {"reward": "–", "acc": "–", "format": "0.500", "kl": "–"}
+    assert reward_summary(logs, "choice") == {"reward": "–", "choice": "–", "format": "0.500", "kl": "–"}
     state = type("State", (), {"is_world_process_zero": True, "global_step": 3, "max_steps": 9})()
     RewardPrinter().on_log(None, state, None, logs=logs)
     assert capsys.readouterr().out.strip() == "step 3/9  reward –  choice –  format 0.500  kl –"

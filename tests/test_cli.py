@@ -94,6 +94,14 @@ def test_console_script_succeeds_quietly_and_writes_readable_outputs(tmp_path):
         assert stat.S_IMODE((out / weights / "model.safetensors").stat().st_mode) == 0o644, weights
     assert stat.S_IMODE((out / "checkpoint-2" / "optimizer.pt").stat().st_mode) == 0o644
     assert not [p for p in os.listdir(out) if ".tmp" in p]
+    # The model card (in final/, and the one checkpoints keep in --output_dir) names the local base model, not TRL's
+    # "[None](https://huggingface.co/None)", and its quick start asks the trained model, final/, a question of the
+    # task about an image, not TRL's "If you had a time machine..." (issue 46).
+    for card in (out / "final" / "README.md", out / "README.md"):
+        text = card.read_text()
+        assert f"fine-tuned version of `{out}/tiny-base` (a local model)" in text and "None" not in text
+        assert f'pipeline("image-text-to-text", model="{out}/final"' in text
+        assert "question = 'What colour is the shape? Answer with one word.'" in text and "time machine" not in text
 
 
 def test_help_fits_a_screen_and_help_all_lists_every_flag_with_its_default_once():
@@ -161,7 +169,10 @@ def test_help_is_quick_it_imports_neither_torch_nor_transformers():
             ["--tools", "zoom", "--model", "tiny:gemma3", "--max_completion_length", "256"],
             "tiny:gemma3 cannot write tool calls; use one of tiny:qwen2_vl",
         ),
-        (["--tools", "zoom", "--task", "zoom"], "--tools needs --max_completion_length 128 or more (got 4)"),
+        (
+            ["--tools", "zoom", "--task", "zoom", "--max_completion_length", "4"],
+            "--tools needs --max_completion_length 128 or more (got 4)",
+        ),
         (["--tools", "zoom", "--task", "motion", "--max_completion_length", "256"], "--tools with clips"),
     ],
 )
@@ -322,8 +333,9 @@ def test_image_folder_with_metadata(tmp_path):
     assert "(shapes, 2 prompts)" in proc.stdout
     assert len([r for r in _metrics(out) if "reward" in r]) == 2
     # Answers of two words: the offline tiny model will not learn them, and the command says so, once, up front.
-    [note] = [line for line in proc.stderr.splitlines() if "note:" in line]
+    [note] = [line for line in proc.stderr.splitlines() if "gold answers are several tokens" in line]
     assert note.startswith("vlm-grpo: note: 6 of 6 gold answers are several tokens") and "--model" in note
+    assert proc.stderr.index(note) < proc.stderr.index("it/s")  # up front, before training
 
 
 def test_system_prompt_and_template_reach_the_synthetic_task_prompts(tmp_path):

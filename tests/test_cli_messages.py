@@ -4,10 +4,12 @@ typo, a Hub model while offline, a held-out share that leaves nothing to train o
 not needed (no bitsandbytes kernel line)."""
 
 import os
+import re
 import subprocess
 
 import pytest
-from test_cli import TINY_RUN, _console_script, _shapes_csv, vlm_grpo
+from test_cli import ROOT, TINY_RUN, _console_script, _metrics, _shapes_csv, vlm_grpo
+from transformers import AutoTokenizer
 
 from vlm_grpo.cli import main
 
@@ -144,3 +146,221 @@ def test_clips_for_a_family_that_takes_none_are_refused_before_the_model_loads(t
     assert err.startswith("vlm-grpo: error: --dataset train.jsonl has clips and tiny:gemma3 (gemma3) takes no video")
     assert "qwen2_5_vl" in err and "\n" not in err
     assert not (tmp_path / "run").exists()
+
+
+# Issue 46: your own data as a newcomer meets it, round 4.
+
+YOUR_REWARDS = (
+    "def saw_image(completions, image, **kwargs):\n"
+    "    # 1.0 for every row whose image reached training (a text-only row has None).\n"
+    "    return [float(hasattr(i, 'size')) for i in image]\n"
+    "\n"
+    "def label_first(completions, label, **kwargs):\n"
+    "    texts = [c if isinstance(c, str) else c[-1]['content'] for c in completions]\n"
+    "    return [float(t.split()[:1] == [a]) for t, a in zip(texts, label)]\n"
+)
+
+
+def _own_csv(folder, rows: int, header: str = "file,question,label"):
+    """`_shapes_csv` under a user's own column names (the image path column first)."""
+    data = _shapes_csv(folder, rows=rows)
+    data.write_text(data.read_text().replace("image,question,answer", header, 1))
+    (folder / "my_rewards.py").write_text(YOUR_REWARDS)
+    return data
+
+
+@pytest.mark.trains
+def test_images_in_a_column_of_any_name_are_found_said_and_trained_on_and_your_names_reach_rewards(tmp_path):
+    # Issue 46 (1-3): `file` holds `img/0.jpg` paths; it trained text-only without a word, `label` was renamed away
+    # from the reward reading it, and two missing images were said twice by split position.
+    _own_csv(tmp_path, rows=16)
+    for i in (1, 7):  # CSV lines 3 and 9 (line 1 is the header)
+        os.remove(tmp_path / "img" / f"{i}.jpg")
+    proc = vlm_grpo("--dataset", "shapes.csv", "--prompt_column", "question", "--answer_column", "label",
+                    "--reward_funcs", "my_rewards:saw_image", "my_rewards:label_first", "--test_size", "4",
+                    "--output_dir", "run", *TINY_RUN, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "images: column `file` (found by what it holds; --image_column names another)" in proc.stdout.splitlines()
+    steps = [r for r in _metrics(tmp_path / "run") if "reward" in r]
+    assert steps and all(r["rewards/saw_image/mean"] == 1.0 for r in steps)  # every training row had its image
+    assert all("rewards/label_first/mean" in r for r in steps)  # `label` reached the reward under its own name
+    skips = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if "skipped" in line]
+    assert len(skips) == 1 and skips[0].startswith("shapes.csv: skipped 2 of 16 rows"), skips
+    assert "line 3, image 0" in skips[0] and "line 9, image 0" in skips[0] and "--no_skip_bad_rows" in skips[0]
+
+
+@pytest.mark.trains
+def test_the_tiny_model_can_say_the_answers_of_the_column_your_reward_reads(tmp_path):
+    # Without --answer_column the reward reads `label`: the tiny model used to be built without those words.
+    _own_csv(tmp_path, rows=12)
+    proc = vlm_grpo("--dataset", "shapes.csv", "--reward_funcs", "my_rewards:label_first", "--test_size", "3",
+                    "--output_dir", "run", *TINY_RUN, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run" / "tiny-base")
+    assert all(tokenizer.tokenize(word) == [word] for word in ("circle", "square", "triangle"))
+    assert "chance 0.333" in proc.stdout  # the chance level of the column the accuracy reward reads
+
+
+def test_no_skip_bad_rows_stops_in_one_line_before_anything_is_evaluated(tmp_path):
+    _own_csv(tmp_path, rows=12)
+    os.remove(tmp_path / "img" / "7.jpg")  # CSV line 9
+    proc = vlm_grpo("--dataset", "shapes.csv", "--prompt_column", "question", "--answer_column", "label",
+                    "--image_column", "file", "--no_skip_bad_rows", "--output_dir", "run", cwd=tmp_path)  # fmt: skip
+    _refused(proc, "shapes.csv line 9, image 0: image file not found")
+    assert "held-out accuracy" not in proc.stdout and "skipped" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "header, message",
+    [
+        ("file,question,label,thumb", ("columns `file`, `thumb` all hold images; name the one to train on with "
+                                       "--image_column file.")),
+        ("photo,question,label", ("column `photo` is named like an image column but holds no image paths, URLs or "
+                                  "bytes (e.g. 'img/0'); if it holds images, name it with --image_column photo.")),
+    ],
+)  # fmt: skip
+def test_image_columns_that_cannot_be_told_apart_are_refused_naming_the_flag(tmp_path, header, message):
+    data = _own_csv(tmp_path, rows=6, header=header)
+    lines = data.read_text().splitlines()
+    if "thumb" in header:  # a second column of image paths
+        lines = [lines[0]] + [f"{line},{line.split(',')[0]}" for line in lines[1:]]
+    else:  # paths without their suffix: nothing says they are images
+        lines = [lines[0]] + [line.replace(".jpg", "", 1) for line in lines[1:]]
+    data.write_text("\n".join(lines) + "\n")
+    proc = vlm_grpo("--dataset", "shapes.csv", "--prompt_column", "question", "--answer_column", "label",
+                    "--output_dir", "run", cwd=tmp_path)  # fmt: skip
+    _refused(proc, message)
+    assert "rename_column" not in proc.stderr  # the flag, not Python, for a command-line user
+    assert not (tmp_path / "run").exists()
+
+
+def _interrupted(tmp_path, args: list[str], ready) -> subprocess.CompletedProcess:
+    """The console script run with `args` and stopped with Ctrl-C (SIGINT) once `ready()` holds, as a terminal's
+    Ctrl-C stops it; its exit status and output."""
+    import signal
+    import time
+
+    exe, env = _console_script()
+    proc = subprocess.Popen([exe, *args], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not ready():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _records(path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.mark.trains
+def test_ctrl_c_is_one_line_naming_the_step_and_what_is_left_and_a_rerun_never_overwrites_it(tmp_path):
+    # Issue 46 (4): Ctrl-C printed a 60-line KeyboardInterrupt traceback and no step; rerunning a run that had kept
+    # no checkpoint started over and overwrote its metrics.jsonl without a word.
+    run = tmp_path / "run"
+    args = ["--output_dir", "run", "--train_size", "8", "--test_size", "30", *TINY_RUN[2:], "--max_steps", "5000"]
+    proc = _interrupted(tmp_path, args, lambda: _records(run / "metrics.jsonl") >= 2)
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"vlm-grpo: stopped at step \d+ of 5000; checkpoints: none \(--save_strategy steps "
+                        r"--save_steps N keeps them\); start over with the same command plus --overwrite_output_dir\.",
+                        last), last  # fmt: skip
+    assert [line for line in proc.stderr.splitlines() if line.startswith("vlm-grpo")] == [last]  # and no traceback
+    record = (run / "metrics.jsonl").read_text()
+    again = vlm_grpo(*args, cwd=tmp_path)
+    _refused(again, "--output_dir run holds an earlier run's metrics.jsonl (up to step ")
+    assert "start over with --overwrite_output_dir" in again.stderr
+    assert (run / "metrics.jsonl").read_text() == record  # untouched
+
+    # With checkpoints: the newest complete one, and the command that goes on from it.
+    kept = tmp_path / "kept"
+    args = ["--output_dir", "kept", *args[2:], "--save_strategy", "steps", "--save_steps", "1"]
+    proc = _interrupted(tmp_path, args, lambda: (kept / "checkpoint-2" / "trainer_state.json").exists())
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    match = re.fullmatch(r"vlm-grpo: stopped at step (\d+) of 5000; checkpoints: newest kept/checkpoint-(\d+); "
+                         r"resume with the same command plus --resume_from_checkpoint\.", last)  # fmt: skip
+    assert match and int(match[2]) >= 2 and int(match[2]) <= int(match[1]), last
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_the_gpu_recipe_on_a_cpu_without_the_model_says_so_first_and_offers_the_tiny_model(tmp_path, offline):
+    # Issue 46 (6): it first said "4-bit loading needs bitsandbytes"; the Hub message came only after
+    # `--load_in_4bit false`.
+    exe, env = _console_script()
+    env = {**env, "HF_HOME": str(tmp_path / "hf-home")}  # an empty cache
+    if not offline:  # online, the Hub unreachable: a port nothing listens on refuses at once
+        env.pop("HF_HUB_OFFLINE")
+        env["HF_ENDPOINT"] = "http://127.0.0.1:9"
+    recipe = os.path.join(ROOT, "examples", "recipes", "qwen2_5_vl_3b_count.yaml")
+    proc = subprocess.run([exe, "--config", recipe, "--output_dir", "run"], check=False, capture_output=True,
+                          text=True, env=env, timeout=300, cwd=tmp_path)  # fmt: skip
+    reason = "not in the local Hugging Face cache and HF_HUB_OFFLINE is set" if offline else "cannot reach the Hugging"
+    _refused(proc, f"--model Qwen/Qwen2.5-VL-3B-Instruct: {reason}")
+    assert proc.stderr.strip().endswith("(--model tiny:qwen2_5_vl --load_in_4bit false).")  # a command that runs here
+    assert "bitsandbytes" not in proc.stderr and "CUDA" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.trains
+def test_tools_alone_pick_budgets_that_fit_and_say_so_and_that_a_tiny_model_will_not_call_them(tmp_path):
+    # Issue 46 (5): `--task zoom --tools zoom` stopped on "--tools needs --max_completion_length 128 or more (got 4)".
+    proc = vlm_grpo("--task", "zoom", "--tools", "zoom", "--output_dir", "run", "--max_steps", "1", "--train_size",
+                    "4", "--test_size", "2", "--per_device_train_batch_size", "2", "--num_generations", "2",
+                    cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[0] == (
+        "--tools: --max_completion_length 256 and --max_tool_calling_iterations 2 (room for a call, the tool's image "
+        "and the answer; set them to change it)"
+    )
+    assert "does not call tools by itself: this run checks the tool loop, not tool use" in proc.stderr
+    step = next(r for r in _metrics(tmp_path / "run") if "tools/call_frequency" in r)
+    assert step["completions/max_length"] <= 256
+    # A budget you set is yours: kept, and checked.
+    proc = vlm_grpo("--task", "zoom", "--tools", "zoom", "--max_completion_length", "64", "--output_dir", "small",
+                    cwd=tmp_path)  # fmt: skip
+    _refused(proc, "--tools needs --max_completion_length 128 or more (got 64)")
+
+
+@pytest.mark.trains
+def test_a_run_shorter_than_the_logging_interval_logs_every_step_and_the_bar_shows_each_number_once(tmp_path):
+    # Issue 46 (7): --max_steps below --logging_steps (default 10) logged once, a one-point plot; the bar showed
+    # `reward=0.973, acc=0.973`, the one training reward twice, `acc` read as the held-out accuracy.
+    proc = vlm_grpo("--output_dir", "run", "--train_size", "8", "--test_size", "2", "--max_steps", "3",
+                    *TINY_RUN[2:-2], cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in _metrics(tmp_path / "run") if "reward" in r] == [1, 2, 3]
+    assert "reward=" in proc.stderr and "acc=" not in proc.stderr and "choice_accuracy=" not in proc.stderr
+    # A logging interval you set is yours.
+    proc = vlm_grpo("--output_dir", "mine", "--train_size", "8", "--test_size", "2", "--max_steps", "3",
+                    *TINY_RUN[2:-2], "--logging_steps", "2", cwd=tmp_path)  # fmt: skip
+    assert [r["step"] for r in _metrics(tmp_path / "mine") if "reward" in r] == [2, 3]
+
+
+@pytest.mark.trains
+def test_a_reward_that_pays_nothing_at_the_start_is_said_once_with_its_likely_cause(tmp_path, tiny_dir):
+    # Issue 46 (2): a tiny model without the answers' words scored 0.0 at every step, and nothing said why. A model of
+    # your own built without them (here: the tiny model's base words only) cannot write `circle`.
+    _own_csv(tmp_path, rows=12)
+    proc = vlm_grpo("--model", tiny_dir("qwen2_5_vl"), "--dataset", "shapes.csv", "--reward_funcs",
+                    "my_rewards:label_first", "--test_size", "3", "--output_dir", "run", *TINY_RUN, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notes = [line for line in proc.stderr.splitlines() if "paid 0 for every completion" in line]
+    assert len(notes) == 1, proc.stderr[-3000:]
+    assert re.match(
+        r"vlm-grpo: note: reward `label_first` paid 0 for every completion of the first 2 logged steps, so GRPO has "
+        r"nothing to learn from there; likely cause: the model's vocabulary lacks 3 of the gold answers in `label` "
+        r"\(e.g. '(circle|square|triangle)'\), so it cannot write them",
+        notes[0],
+    ), notes[0]
+    # A reward that pays from the start says nothing.
+    proc = vlm_grpo("--dataset", "shapes.csv", "--reward_funcs", "my_rewards:saw_image", "--test_size", "3",
+                    "--output_dir", "paid", *TINY_RUN, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0 and "paid 0" not in proc.stderr, proc.stderr[-3000:]

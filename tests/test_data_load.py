@@ -23,7 +23,9 @@ def test_easyr1_layout_becomes_chat_rows_with_images_where_the_placeholder_is(tm
     rows = [{"problem": f"Look: <image> How many? {i}", "answer": str(i), "images": [f"img/{i}.png"]} for i in range(3)]
     train, test = load_grpo_dataset(_jsonl(tmp_path, rows), system_prompt="Be brief.",
                                     prompt_template="{prompt} Answer in <answer></answer>.")  # fmt: skip
-    assert test is None and sorted(train.column_names) == ["answer", "images", "prompt"]
+    # `problem` stays beside `prompt`, as written: rewards may read a column by your name for it.
+    assert test is None and sorted(train.column_names) == ["answer", "images", "problem", "prompt"]
+    assert train[1]["problem"] == "Look: <image> How many? 1"
     row = train[1]
     assert row["prompt"][0] == {"role": "system", "content": [{"type": "text", "text": "Be brief."}]}
     assert row["prompt"][1]["content"] == [
@@ -40,7 +42,9 @@ def test_column_mapping_and_held_out_count(tmp_path):
     train, test = load_grpo_dataset(_jsonl(tmp_path, rows), test_size=1, prompt_column="q", image_column="pic",
                                     answer_column="gold")  # fmt: skip
     assert (len(train), len(test)) == (2, 1)
-    assert sorted(train.column_names) == ["answer", "image", "prompt"] and train[0]["answer"] == "red"
+    # Your names stay beside the mapped ones (rewards read `gold` or `answer`); the unmapped `answer` gave way.
+    assert sorted(train.column_names) == ["answer", "gold", "image", "prompt", "q"] and train[0]["answer"] == "red"
+    assert train[0]["gold"] == "red" and train[0]["q"] == "Which colour?"
     assert train[0]["prompt"][0]["content"][0] == {"type": "image", "text": None}  # images go before the question
 
 
@@ -133,7 +137,7 @@ def test_jsonl_clip_paths_are_resolved_and_checked(tmp_path):
         {"problem": "Which way?", "video": None, "answer": "none"},  # a row without a clip
     ]
     train, _ = load_grpo_dataset(_jsonl(tmp_path, rows))
-    assert sorted(train.column_names) == ["answer", "prompt", "video"]
+    assert sorted(train.column_names) == ["answer", "problem", "prompt", "video"]
     assert train[0]["video"] == str(tmp_path / "a.mp4") and train[1]["video"] == str(tmp_path / "b")
     assert [b["type"] for b in train[0]["prompt"][0]["content"]] == ["video", "text"]
     assert [b["type"] for b in train[1]["prompt"][0]["content"]] == ["video", "text"]  # before the question

@@ -39,6 +39,7 @@ __all__ = [
     "keep_records_up_to",
     "library_bars_off",
     "plot_reward_curve",
+    "reward_curve_figure",
     "reward_summary",
 ]
 
@@ -247,19 +248,22 @@ def _shown(value: Any, spec: str) -> str:
 
 
 def reward_summary(logs: dict[str, Any], accuracy: str | None = None) -> dict[str, str]:
-    """The few numbers worth watching in a training log record: the mean reward, each reward function's mean (the
-    one named `accuracy` shown as `acc`) and the KL, formatted (`–` where a value is None or NaN).
+    """The few numbers worth watching in a training log record: the mean training reward, each reward function's
+    mean under its own name when there are several (one function's mean is the reward itself: shown once), the one
+    named `accuracy` first, and the KL, formatted (`–` where a value is None or NaN). These are training numbers,
+    not the held-out accuracy the command prints before and after.
 
     >>> reward_summary({"reward": None, "rewards/score/mean": float("nan"), "kl": 0.0123})
-    {'reward': '–', 'score': '–', 'kl': '0.0123'}
+    {'reward': '–', 'kl': '0.0123'}
     """
     shown = {}
     if "reward" in logs:
         shown["reward"] = _shown(logs["reward"], ".3f")
-    for key, value in logs.items():
-        if key.startswith("rewards/") and key.endswith("/mean"):
-            name = key[len("rewards/") : -len("/mean")]
-            shown["acc" if name == accuracy else name[:16]] = _shown(value, ".3f")
+    means = {k[len("rewards/") : -len("/mean")]: v for k, v in logs.items() if k.startswith("rewards/") and
+             k.endswith("/mean")}  # fmt: skip
+    if len(means) > 1:
+        for name in sorted(means, key=lambda n: n != accuracy):  # the accuracy reward first, the others as logged
+            shown[name[:16]] = _shown(means[name], ".3f")
     if "kl" in logs:
         shown["kl"] = _shown(logs["kl"], ".3g")
     return shown
@@ -270,7 +274,7 @@ class RewardProgressBar(ProgressCallback):
     `PrinterCallback`, which print every log record as a dict.
 
     Args:
-        accuracy: the name of the reward reported as accuracy (shown as `acc`), or None.
+        accuracy: the name of the reward reported as accuracy (shown first of the rewards), or None.
     """
 
     def __init__(self, accuracy: str | None = None, **kwargs: Any) -> None:
@@ -284,11 +288,11 @@ class RewardProgressBar(ProgressCallback):
 
 
 class RewardPrinter(TrainerCallback):
-    """One short line per training log record, `step 10/400  reward 0.531  acc 0.531  kl 0.0012`: the progress
-    where no bar is wanted (`disable_tqdm`, logs read later).
+    """One short line per training log record, `step 10/400  reward 0.531  kl 0.0012`: the progress where no bar is
+    wanted (`disable_tqdm`, logs read later).
 
     Args:
-        accuracy: the name of the reward reported as accuracy (shown as `acc`), or None.
+        accuracy: the name of the reward reported as accuracy (shown first of the rewards), or None.
     """
 
     def __init__(self, accuracy: str | None = None) -> None:
@@ -308,13 +312,30 @@ def plot_reward_curve(
     title: str,
     before: float = math.nan,
     after: float = math.nan,
+    max_steps: int | None = None,
 ) -> None:
-    """Draw the mean training reward per logging step of `metrics_path` (`MetricsJsonlCallback`'s file), with the
-    held-out accuracy `before` and `after` training as dashed lines (left out when NaN), to `png_path`.
+    """Draw `reward_curve_figure` to `png_path`. The PNG is written to a temporary name and moved into place, so a
+    reader never sees half a file."""
+    fig = reward_curve_figure(metrics_path, title=title, before=before, after=after, max_steps=max_steps)
+    png_path = os.fspath(png_path)
+    tmp = png_path + ".tmp.png"
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, png_path)
 
-    The PNG is written to a temporary name and moved into place, so a reader never sees half a file; matplotlib's
-    Agg canvas draws it, without pyplot's global state or a GUI backend.
-    """
+
+def reward_curve_figure(
+    metrics_path: str | os.PathLike,
+    *,
+    title: str,
+    before: float = math.nan,
+    after: float = math.nan,
+    max_steps: int | None = None,
+) -> Any:
+    """The mean training reward per logging step of `metrics_path` (`MetricsJsonlCallback`'s file), with the held-out
+    accuracy `before` and `after` training as dashed lines (left out when NaN), as a matplotlib `Figure` drawn on
+    the Agg canvas (no pyplot global state, no GUI backend). The step axis runs from 0 to `max_steps` (default: the
+    last step logged) and the reward axis spans at least 0 to 1, so a short curve, even one point, is drawn where it
+    lies."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -333,12 +354,14 @@ def plot_reward_curve(
         ax.axhline(before, color="gray", linestyle="--", label=f"held-out accuracy before ({before:.2f})")
     if not math.isnan(after):
         ax.axhline(after, color="green", linestyle="--", label=f"held-out accuracy after ({after:.2f})")
+    # Matplotlib zooms onto the data: one point at step 5 made a 4.8-5.2 axis. Steps from 0, rewards from 0 to 1 at
+    # least (further where a reward or an accuracy lies outside).
+    ax.set_xlim(0, max([max_steps or 0, *steps, 1]))
+    values = [v for v in (*rewards, before, after) if math.isfinite(v)]
+    ax.set_ylim(min([0.0, *values]) - 0.05, max([1.0, *values]) + 0.05)
     ax.set_xlabel("step")
     ax.set_ylabel("reward / accuracy")
     ax.legend(loc="lower right", fontsize=8)
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    png_path = os.fspath(png_path)
-    tmp = png_path + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, png_path)
+    return fig

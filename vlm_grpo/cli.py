@@ -24,6 +24,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import sys
 import warnings
 from dataclasses import fields
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from .cli_args import PROG, TINY_PREFIX, ScriptArguments, UsageError, build_parser, parse_args, short_help
 from .cli_checks import check_args, check_clips_family, resolve_rewards, resume_checkpoint
+from .cli_stop import Stopped, stopped_line, stops_as
 from .demo import DEMO
 
 if TYPE_CHECKING:
@@ -75,6 +77,19 @@ def build_task(script: ScriptArguments, config: Any) -> Task:
         raise UsageError(f"{where}{error}") from error
     finally:
         datasets.enable_progress_bars()
+
+
+def _say_where_the_images_are(task: Task) -> None:
+    """One line when your data's images were found by what a column holds (its name not `image` / `images`), and
+    one when no column holds images or clips: the run never goes text-only without saying so."""
+    columns = task.source_columns
+    if task.image_found_by_content:
+        print(f"images: column `{columns['image']}` (found by what it holds; --image_column names another)",
+              flush=True)  # fmt: skip
+    elif "image" not in columns and "video" not in columns:
+        print(f"{PROG}: warning: no column of --dataset holds images (image files, URLs or bytes; columns: "
+              f"{', '.join(task.train.column_names)}): the model trains on text only; name the image column with "
+              "--image_column.", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _note_if_unlearnable(task: Task) -> None:
@@ -160,6 +175,7 @@ def _show_progress(trainer: Any, metrics_path: str, accuracy: str) -> None:
     from transformers import PrinterCallback, ProgressCallback
 
     from .callbacks import MetricsJsonlCallback, RewardPrinter, RewardProgressBar
+    from .reward_watch import ZeroRewardNote
 
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
@@ -168,6 +184,14 @@ def _show_progress(trainer: Any, metrics_path: str, accuracy: str) -> None:
     # `--log_completions true` also sends TRL's completion tables to wandb / trackio and output_dir/completions/.
     samples = trainer.args.num_completions_to_print or 4
     trainer.add_callback(MetricsJsonlCallback(metrics_path, trainer=trainer, num_samples=samples))
+    trainer.add_callback(ZeroRewardNote(trainer, say=_say_above_the_bar))
+
+
+def _say_above_the_bar(line: str) -> None:
+    """One line of ours on stderr during training, above the progress bar (which tqdm redraws below it)."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"{PROG}: {line}", file=sys.stderr)
 
 
 # What a run writes to --output_dir besides tiny-base/ (rebuilt by every run): --overwrite_output_dir deletes an
@@ -177,8 +201,6 @@ _RUN_OUTPUTS = ("final", "metrics.jsonl", "eval.json", "reward_curve.png")
 
 def _clear_earlier_run(output_dir: str) -> None:
     """Delete an earlier run's checkpoints and outputs from `output_dir` (`--overwrite_output_dir`), saying which."""
-    import shutil
-
     from .checkpoints import checkpoint_dirs
 
     doomed = checkpoint_dirs(output_dir) + [os.path.join(output_dir, n) for n in _RUN_OUTPUTS]
@@ -194,15 +216,23 @@ def _clear_earlier_run(output_dir: str) -> None:
 
 
 def _save_final(trainer: Any, processor: Any, final: str) -> None:
-    """The trained model and its processor to `final`, written atomically by rank 0."""
+    """The trained model and its processor to `final`, written atomically by rank 0, with its model card (whose quick
+    start loads `final`; the card TRL keeps in --output_dir for checkpoints is pointed there too)."""
     from .callbacks import library_bars_off
     from .export import atomic_directory
 
     # A collective (sharded weights are gathered on every rank); rank 0 writes.
     if trainer.accelerator.is_main_process:
+        card = os.path.join(trainer.args.output_dir, "README.md")
+        had_card = os.path.exists(card)
         with atomic_directory(final) as tmp, library_bars_off():
             trainer.save_model(tmp)
             processor.save_pretrained(tmp)
+            name = os.path.basename(os.path.normpath(trainer.args.output_dir))  # as TRL names it
+            trainer.create_model_card(model_name=name, model_dir=final)
+            os.replace(card, os.path.join(tmp, "README.md"))
+        if had_card:  # checkpoints wrote one: it now names final/ as well
+            shutil.copyfile(os.path.join(final, "README.md"), card)
     else:
         with library_bars_off():
             trainer.save_model(final)  # joins the gather; writes nothing off rank 0
@@ -214,8 +244,7 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     `after/…`; empty without a held-out set). Raises `UsageError` for bad arguments, before writing anything."""
     import torch
 
-    from .callbacks import library_bars_off, plot_reward_curve
-    from .engine.sharded import full_weights
+    from .callbacks import library_bars_off
     from .evaluation import evaluate
     from .media.video_budget import VIDEO_SETTINGS
     from .reward_checks import reward_name
@@ -226,6 +255,7 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     task = build_task(script, config)
     if script.dataset is not None:
         check_clips_family(script, task.train)
+        _say_where_the_images_are(task)
     if script.dataset is not None and script.model.startswith(TINY_PREFIX):
         _note_if_unlearnable(task)
     _say_what_is_measured(script, task)
@@ -249,6 +279,10 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
               f"{_chance(task)}", flush=True)  # fmt: skip
         if script.tools:
             print("held-out accuracy is measured in one turn, without tools (the rollouts use them)", flush=True)
+    if script.tools and script.model.startswith(TINY_PREFIX):  # before a long run teaches nothing about tools
+        print(f"{PROG}: note: a {TINY_PREFIX} model starts from random weights and does not call tools by itself: this "
+              "run checks the tool loop, not tool use (a pretrained --model learns that; "
+              "examples/recipes/qwen2_5_vl_3b_zoom_tools.yaml).", file=sys.stderr, flush=True)  # fmt: skip
 
     metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
     tools = {}
@@ -262,7 +296,20 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
         trainer = VLMGRPOTrainer(model=model, reward_funcs=task.reward_funcs, args=config, train_dataset=task.train,
                                  processing_class=processor, **tools)  # fmt: skip
     _show_progress(trainer, metrics_path, reward_name(task.accuracy))
-    trainer.train(resume_from_checkpoint=resume)
+    with stops_as(trainer, config.output_dir, trained=False):  # Ctrl-C: main says where it stopped, in one line
+        trainer.train(resume_from_checkpoint=resume)
+    with stops_as(trainer, config.output_dir, trained=True):
+        return _finish(script, config, task, trainer, processor, before, score)
+
+
+def _finish(
+    script: ScriptArguments, config: Any, task: Task, trainer: Any, processor: Any, before: dict, score: dict
+) -> dict[str, float]:
+    """After training: `final/`, the held-out accuracy after, `eval.json` and the reward plot; the metrics returned."""
+    from .callbacks import plot_reward_curve
+    from .engine.sharded import full_weights
+    from .evaluation import evaluate
+
     # Saved before the held-out evaluation, so a failure there cannot lose it.
     _save_final(trainer, processor, os.path.join(config.output_dir, "final"))
 
@@ -279,9 +326,10 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     with open(tmp_json, "w") as f:
         json.dump(results, f, indent=2)
     os.replace(tmp_json, os.path.join(config.output_dir, "eval.json"))
+    metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
     plot_reward_curve(metrics_path, os.path.join(config.output_dir, "reward_curve.png"),
                       title=f"GRPO: {task.name} — {script.model}", before=before.get("accuracy", math.nan),
-                      after=results.get("after/accuracy", math.nan))  # fmt: skip
+                      after=results.get("after/accuracy", math.nan), max_steps=trainer.state.max_steps)  # fmt: skip
     base = ", tiny-base/ (the model it started from)" if script.model.startswith(TINY_PREFIX) else ""
     print(f"wrote {config.output_dir}/: metrics.jsonl, reward_curve.png, eval.json, final/{base}", flush=True)
     return results
@@ -289,7 +337,7 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point of `vlm-grpo`: the exit status (0 success, 1 non-finite accuracy or nothing to learn,
-    2 bad arguments)."""
+    2 bad arguments, 130 stopped by Ctrl-C)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if "--help-all" in argv:
@@ -302,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as interrupt:  # Ctrl-C: one line, and the shell's status for it (128 + SIGINT)
+        print(f"{PROG}: {stopped_line(interrupt if isinstance(interrupt, Stopped) else None)}", file=sys.stderr)
+        return 130
     except RuntimeError as error:
         from .dynamic_sampling import NoRewardVariance  # here, not above: --help must not import torch
 

@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .cli_defaults import fit_defaults, given_flags
 from .demo import DEMO
 from .families import model_types
 
@@ -142,7 +143,11 @@ class ScriptArguments:
         default=None, metadata={"help": "Question column (default: prompt, problem or question)."}
     )
     image_column: str | None = field(
-        default=None, metadata={"help": "Image column, one image or a list (default: images or image)."}
+        default=None,
+        metadata={
+            "help": "Image column, one image or a list (default: image or images, else the one column whose "
+            "values are image paths, URLs or bytes, found by what it holds)."
+        },
     )
     video_column: str | None = field(
         default=None,
@@ -151,7 +156,10 @@ class ScriptArguments:
     )  # fmt: skip
     answer_column: str | None = field(
         default=None,
-        metadata={"help": "Gold-answer column, passed to rewards as `answer` (default: answer or solution)."},
+        metadata={
+            "help": "Gold-answer column, passed to rewards as `answer` and under its own name (default: "
+            "answer or solution)."
+        },
     )
     system_prompt: str | None = field(default=None, metadata={"help": "System message added to every prompt."})
     prompt_template: str | None = field(
@@ -176,8 +184,9 @@ class ScriptArguments:
     tools: str | None = field(
         default=None,
         metadata={"help": "Image tools the model may call in multi-turn rollouts, comma-separated: crop, zoom, rotate "
-                  "(vlm_grpo.tools; they act on the row's image). Qwen-VL and Qwen3.5 models; needs "
-                  "--max_completion_length of 128 or more (calls and tool images are part of the completion)."},
+                  "(vlm_grpo.tools; they act on the row's image). Qwen-VL and Qwen3.5 models. Unless set, "
+                  "--max_completion_length 256 and --max_tool_calling_iterations 2 (a call, its image and the answer; "
+                  "128 tokens at least)."},
     )  # fmt: skip
     use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of all weights."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
@@ -294,11 +303,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, Any]:
         parser.set_defaults(use_cpu=True)
     argv = _with_negative_values(parser, list(sys.argv[1:] if argv is None else argv))
     _refuse_unknown_flags(parser, argv)
-    _refuse_bad_config_file(parser, argv)
+    recipe = _refuse_bad_config_file(parser, argv)
     try:
         script, config = parser.parse_args_and_config(args=argv)
     except ValueError as error:  # a config's __post_init__ check (e.g. batch size vs num_generations)
         raise UsageError(str(error)) from error
+    for line in fit_defaults(script, config, given_flags(argv, recipe)):
+        print(line, flush=True)
     return script, config
 
 
@@ -334,15 +345,16 @@ def _refuse_unknown_flags(parser: Any, argv: list[str]) -> None:
         raise UsageError(f"unknown flag {flag}{hint}")
 
 
-def _refuse_bad_config_file(parser: Any, argv: list[str]) -> None:
+def _refuse_bad_config_file(parser: Any, argv: list[str]) -> dict[str, Any]:
     """The `--config` YAML checked as flags are: a missing or unparsable file, or a key that is no flag, named with
-    the file, the key and the closest real one (TrlParser's own message names neither the file nor a fix)."""
+    the file, the key and the closest real one (TrlParser's own message names neither the file nor a fix). Returns
+    its settings ({} without one)."""
     import yaml
 
     path = next((argv[i + 1] for i, t in enumerate(argv[:-1]) if t == "--config"), None)
     path = path or next((t.split("=", 1)[1] for t in argv if t.startswith("--config=")), None)
     if path is None:
-        return
+        return {}
     try:
         with open(path, encoding="utf-8") as file:
             recipe = yaml.safe_load(file)
@@ -355,7 +367,7 @@ def _refuse_bad_config_file(parser: Any, argv: list[str]) -> None:
             f"--config {path}{where}: not valid YAML ({getattr(error, 'problem', None) or error})"
         ) from error
     if recipe is None:
-        return
+        return {}
     if not isinstance(recipe, dict):
         raise UsageError(f"--config {path}: expected `flag: value` lines, found a {type(recipe).__name__}")
     known = {option[2:] for option in parser._option_string_actions if option.startswith("--")}
@@ -365,3 +377,4 @@ def _refuse_bad_config_file(parser: Any, argv: list[str]) -> None:
         near = difflib.get_close_matches(str(key), known, n=1, cutoff=0.75)
         hint = f"; did you mean {near[0]}?" if near else f" (keys are flag names without --: {PROG} --help-all)"
         raise UsageError(f"--config {path}: unknown key {key!r}{hint}")
+    return recipe

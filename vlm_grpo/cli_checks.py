@@ -4,6 +4,7 @@ from, and refuses a run that would overwrite an earlier one's."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -120,6 +121,10 @@ def check_args(script: ScriptArguments, config: Any) -> None:
     _check_tools(script, config)
     if script.model.startswith((".", "/", "~")) and not os.path.exists(os.path.expanduser(script.model)):
         raise UsageError(f"--model {script.model}: no such directory.")
+    # The model first: a GPU recipe run where the Hub is out of reach needs `tiny:` more than it needs bitsandbytes.
+    if not script.model.startswith(TINY_PREFIX) and not os.path.exists(os.path.expanduser(script.model)):
+        quantized = [f"--load_in_{bits}bit false" for bits in (4, 8) if getattr(script, f"load_in_{bits}bit")]
+        check_hub_model(script.model, " ".join(quantized) if config.use_cpu else "")
     try:
         check_quantization(script.load_in_4bit, script.load_in_8bit)
     except (ValueError, RuntimeError, ImportError) as error:
@@ -134,14 +139,13 @@ def check_args(script: ScriptArguments, config: Any) -> None:
         raise UsageError(
             f"--reward_weights has {len(config.reward_weights)} value(s) for {max(len(funcs), 1)} reward function(s)."
         )
-    if not script.model.startswith(TINY_PREFIX) and not os.path.exists(os.path.expanduser(script.model)):
-        check_hub_model(script.model)
 
 
-def check_hub_model(model: str) -> None:
+def check_hub_model(model: str, tiny_flags: str = "") -> None:
     """A Hub model id that is cached, or reachable on the Hub, passes; otherwise one `UsageError` naming the model,
     the reason and the way forward, before anything is written (transformers would retry five times, print a
-    76-line traceback and leave an empty output directory)."""
+    76-line traceback and leave an empty output directory). `tiny_flags` go with the offline tiny model the message
+    offers (`--load_in_4bit false` where a recipe's quantization cannot run)."""
     from huggingface_hub import HfApi, try_to_load_from_cache
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
@@ -153,7 +157,7 @@ def check_hub_model(model: str) -> None:
             print(f"{model}: the Hugging Face Hub is unreachable; using the cached copy (HF_HUB_OFFLINE=1).",
                   flush=True)  # fmt: skip
         return
-    offline = " offline tiny model (--model tiny:qwen2_5_vl)"
+    offline = f" offline tiny model (--model tiny:qwen2_5_vl{' ' + tiny_flags if tiny_flags else ''})"
     if offline_set:
         raise UsageError(f"--model {model}: not in the local Hugging Face cache and HF_HUB_OFFLINE is set; download "
                          f"it where there is internet (hf download {model}) or train the{offline}.")  # fmt: skip
@@ -217,11 +221,32 @@ def resume_checkpoint(script: ScriptArguments, config: Any) -> str | None:
 
 def _refuse_a_finished_run(script: ScriptArguments, config: Any) -> None:
     """A new run into a directory holding a finished run's `final/` (a run that kept no checkpoints) would overwrite
-    its trained model: refused unless `--overwrite_output_dir`."""
+    its trained model, and one into a run stopped before its first checkpoint would overwrite its `metrics.jsonl`:
+    both refused unless `--overwrite_output_dir`."""
+    if script.overwrite_output_dir:
+        return
     final = os.path.join(config.output_dir, "final")
-    if os.path.lexists(final) and not script.overwrite_output_dir:
+    if os.path.lexists(final):
         raise UsageError(f"--output_dir {config.output_dir} holds an earlier run's trained model ({final}): choose "
                          "another --output_dir, or replace it with --overwrite_output_dir.")  # fmt: skip
+    steps = _recorded_steps(os.path.join(config.output_dir, "metrics.jsonl"))
+    if steps:
+        raise UsageError(f"--output_dir {config.output_dir} holds an earlier run's metrics.jsonl (up to step "
+                         f"{max(steps)}) and no checkpoint to resume from: start over with --overwrite_output_dir "
+                         "(it deletes them), or choose another --output_dir.")  # fmt: skip
+
+
+def _recorded_steps(path: str) -> list[int]:
+    """The steps a metrics.jsonl holds records of ([] for none, or no file); a line cut short is not one."""
+    import json
+
+    steps = []
+    if os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                with contextlib.suppress(ValueError, AttributeError):
+                    steps.append(int(json.loads(line).get("step", 0)))
+    return steps
 
 
 def _note_generation_batch_split(config: Any, checkpoint: str) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .media.columns import VIDEO_COLUMNS, video_column
+from .media.columns import video_column
 from .media.pixel_budget import pixel_budget_for_call
 from .media.processing import holds_clips, process_prompts
 from .media.video_budget import video_budget_for_call
@@ -171,8 +171,9 @@ def _batches(model, processor, dataset, funcs, num_generations, max_new_tokens, 
         rows = add_image_sizes([prepare_row(r, *budget) for r in raw], processor)
         completions = _generate(model, processor, rows, num_generations, max_new_tokens, temperature, device)
         expanded = [dataset_row(row) for row in rows for _ in range(num_generations)]
-        media = ("prompt", "image", "images", *VIDEO_COLUMNS)
-        columns = {k: [row.get(k) for row in expanded] for k in expanded[0] if k not in media}
+        # Every column but the prompt, the image too, as training gives them (TRL passes every column of the row):
+        # a reward reading `image` scores held-out rows as it scores training rows.
+        columns = {k: [row.get(k) for row in expanded] for k in expanded[0] if k != "prompt"}
         prompts = [row["prompt"] for row in expanded]
         scores = {reward_name(func): list(func(prompts=prompts, completions=completions, **columns)) for func in funcs}
         yield completions, scores

@@ -26,7 +26,17 @@ from typing import TYPE_CHECKING, Any
 from PIL import Image
 
 from .media.checks import MAX_BAD_FRACTION, SkippedRows, drop_unreadable_rows, undecoded
-from .media.columns import IMAGE_COLUMNS, VIDEO_COLUMNS, image_column, is_chat, row_clips, row_images, video_column
+from .media.columns import (
+    IMAGE_COLUMNS,
+    IMAGE_LIKE_NAMES,
+    VIDEO_COLUMNS,
+    holds_images,
+    image_column,
+    is_chat,
+    row_clips,
+    row_images,
+    video_column,
+)
 from .media.pixel_budget import fed_size
 from .media.row_media import load_row_media
 from .prompts import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, count_blocks, count_placeholders, place_media, user_content
@@ -54,11 +64,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Column names that mean images, for the "rename it" error (columns holding images are found by their values too).
-_IMAGE_LIKE_NAMES = (
-    "img", "imgs", "picture", "pictures", "photo", "photos", "pixel_values", "image_path", "image_paths", "image_file",
-    "image_files", "image_bytes",
-)  # fmt: skip
 _VIDEO_LIKE_NAMES = ("clip", "clips", "frames", "video_path", "video_paths", "video_file", "video_files", "movie")
 # prepare_row keeps the row's own prompt and image column name here, for `rows_for_rewards`.
 _SOURCE = "_vlm_grpo_source"
@@ -116,13 +121,6 @@ def _placeholders(prompt: Any, kind: str) -> int:
     return count_blocks(prompt, kind) if is_chat(prompt) else 0
 
 
-def _holds_images(value: Any) -> bool:
-    """Whether a cell holds an image, or a list starting with one (PIL, or a datasets `{"bytes", "path"}` dict)."""
-    if isinstance(value, (list, tuple)) and value:
-        value = value[0]
-    return isinstance(value, Image.Image) or isinstance(value, dict) and {"bytes", "path"} <= set(value)
-
-
 def _is_image_feature(feature: Any) -> bool:
     from datasets import Image as ImageFeature
 
@@ -149,8 +147,10 @@ def _refuse_misnamed_image_column(dataset: Any, columns: list[str], name: str) -
         if column == "prompt" or column in VIDEO_COLUMNS:  # a clip's frames are images too
             continue
         feature, value = features.get(column), first.get(column) if isinstance(first, dict) else None
-        if column.lower() in _IMAGE_LIKE_NAMES or _is_image_feature(feature) or _holds_images(value):
-            list_of_images = isinstance(value, (list, tuple)) and _holds_images(value)
+        # By name, by feature, or by what the first row holds (image paths, bytes, PIL images...): a column called
+        # `file` holding `img/0.jpg` is found as surely as one called `photo`.
+        if column.lower() in IMAGE_LIKE_NAMES or _is_image_feature(feature) or holds_images([value]):
+            list_of_images = isinstance(value, (list, tuple)) and holds_images([value])
             list_feature = _is_image_feature(feature) and (isinstance(feature, list) or hasattr(feature, "feature"))
             target = "images" if list_of_images or list_feature else "image"
             raise ValueError(

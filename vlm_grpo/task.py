@@ -19,11 +19,11 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .data import answer_words, make_visual_reasoning_dataset
-from .data.load import DatasetError, load_grpo_dataset
+from .data.load import DatasetError, load_dataset_rows
 from .data.tasks import check_task
 from .demo import DEMO
 from .prompts import apply_template, with_system
@@ -59,6 +59,10 @@ class Task:
             answers, or every word of your data's prompts and answers (so an offline smoke run can learn on it).
         answer_values: the answer column's distinct values when they are a closed vocabulary
             (`vlm_grpo.rewards.closed_vocabulary`: a few short answers, repeated), else None; they set `chance`.
+        source_columns: your data's column for each role (`prompt`, `image`, `video`, `answer`); empty for a
+            synthetic task.
+        image_found_by_content: True when no image column was named and the one holding images was found by its
+            values (`vlm_grpo.data.image_columns`), so the command says which it is.
     """
 
     name: str
@@ -69,6 +73,8 @@ class Task:
     reward_weights: list[float] | None = None
     answer_words: list[str] | None = None
     answer_values: list[str] | None = None
+    source_columns: dict[str, str] = field(default_factory=dict)
+    image_found_by_content: bool = False
 
     def __post_init__(self) -> None:
         self.reward_funcs = list(self.reward_funcs)
@@ -260,28 +266,41 @@ def dataset_task(
     """
     from .rows import check_dataset
 
-    train, test = load_grpo_dataset(source, split, test_size=test_size, seed=seed, **load_kwargs)
+    loaded = load_dataset_rows(source, split, test_size=test_size, seed=seed, **load_kwargs)
+    train, test = loaded.train, loaded.test
     check_dataset(train, "dataset", check_images=False)  # rows the trainer would refuse, before a model loads
-    answers = _answers(train, test)
     if not reward_funcs:
         if "answer" not in train.column_names:
             raise DatasetError(f"no answer column (columns: {', '.join(train.column_names)}): name it with "
                                "--answer_column, or give --reward_funcs.")  # fmt: skip
-        words = closed_vocabulary(answers, numbers=False)
+        words = closed_vocabulary(_answers(train, test), numbers=False)
         reward_funcs = [make_answer_choice_reward(words)] if words else [answer_accuracy]
-    funcs, accuracy = _built(list(reward_funcs), accuracy, answers)
+    funcs = list(reward_funcs)
+    gold = _gold_column(accuracy or default_accuracy(funcs), train)
+    answers = _answers(train, test, column=gold)
+    funcs, accuracy = _built(funcs, accuracy, _answers(train, test))
     weights = list(reward_weights) if reward_weights is not None else None
     name = os.path.basename(source.rstrip("/")) or source
     accuracy = default_accuracy(funcs) if accuracy is None else accuracy
-    task = Task(name, train, test, funcs, accuracy, reward_weights=weights, answer_words=data_words(train, test),
-                answer_values=closed_vocabulary(answers))  # fmt: skip
+    # The tiny model must be able to say every gold answer a reward reads, whatever the column is called.
+    read = {c for f in [*funcs, accuracy] for c in reward_columns(f)} & set(train.column_names)
+    task = Task(name, train, test, funcs, accuracy, reward_weights=weights,
+                answer_words=data_words(train, test, columns=("answer", *sorted(read))),
+                answer_values=closed_vocabulary(answers), source_columns=loaded.columns,
+                image_found_by_content=loaded.image_found_by_content)  # fmt: skip
     task.check_columns()
     return task
 
 
-def _answers(*splits: Any) -> list[Any]:
-    """The `answer` column of the splits given (rows of a split without one: none)."""
-    return [a for rows in splits if rows is not None and "answer" in rows.column_names for a in rows["answer"]]
+def _gold_column(func: RewardFunc, rows: Any) -> str:
+    """The column `func` reads its gold answers from in `rows` (the first it names that the rows have), else
+    `answer`: its values set the chance level."""
+    return next((c for c in reward_columns(func) if c in rows.column_names), "answer")
+
+
+def _answers(*splits: Any, column: str = "answer") -> list[Any]:
+    """The `column` (gold answers) of the splits given (rows of a split without one: none)."""
+    return [a for rows in splits if rows is not None and column in rows.column_names for a in rows[column]]
 
 
 def _built(
@@ -304,19 +323,20 @@ def _built(
     return [build(f) for f in funcs], None if accuracy is None else build(accuracy)
 
 
-def data_words(*datasets: Any) -> list[str]:
-    """Every word of the rows' prompts (all messages' text) and `answer` column, split as the tiny tokenizers split
-    text (`vlm_grpo.tiny.split_words`), sorted: the vocabulary a tiny model needs to read your data and say its
-    answers. Images are not read."""
+def data_words(*datasets: Any, columns: Sequence[str] = ("answer",)) -> list[str]:
+    """Every word of the rows' prompts (all messages' text) and gold `columns` (default `answer`; give every column
+    your rewards read), split as the tiny tokenizers split text (`vlm_grpo.tiny.split_words`), sorted: the
+    vocabulary a tiny model needs to read your data and say its answers. Images are not read."""
     from .tiny import split_words
 
     texts: list[str] = []
     for rows in (d for d in datasets if d is not None):
-        columns = [c for c in ("prompt", "answer") if c in rows.column_names]
-        for row in rows.select_columns(columns):
-            texts.extend(_prompt_texts(row["prompt"]))
-            answer = row.get("answer")
-            texts.extend(str(a) for a in (answer if isinstance(answer, (list, tuple)) else [answer]) if a is not None)
+        golds = [c for c in dict.fromkeys(columns) if c in rows.column_names and c != "prompt"]
+        for row in rows.select_columns([c for c in ("prompt", *golds) if c in rows.column_names]):
+            texts.extend(_prompt_texts(row.get("prompt")))
+            for answer in (row[c] for c in golds):
+                values = answer if isinstance(answer, (list, tuple)) else [answer]
+                texts.extend(str(a) for a in values if isinstance(a, (str, int, float)))  # words, not images
     return sorted({word for text in texts for word in split_words(text)})
 
 

@@ -227,10 +227,13 @@ class VLMGRPOTrainer(GRPOTrainer):
         if self.args.push_to_hub:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
-    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags: Any = None):
-        """TRL's model card, with a local base model named rather than `[None]` (`vlm_grpo.model_card`)."""
+    def create_model_card(
+        self, model_name: str | None = None, dataset_name: str | None = None, tags: Any = None, model_dir: Any = None
+    ):
+        """TRL's model card, with a local base model named rather than `[None]` and a quick start that asks an image
+        question of the kind trained on of `model_dir` (default: the checkpoint being saved) (`vlm_grpo.model_card`)."""
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
-        complete_model_card(self)
+        complete_model_card(self, model_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         # transformers reloads a checkpoint's full weights with `load_state_dict` under the names they were saved with,

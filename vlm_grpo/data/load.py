@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..media.columns import IMAGE_COLUMNS, VIDEO_COLUMNS
@@ -29,7 +30,7 @@ from ..media.columns import video_column as prompt_video_column
 from ..prompts import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, apply_template, user_content, with_system
 from .sources import DatasetError, load_source, load_split
 
-__all__ = ["DatasetError", "load_grpo_dataset", "load_split", "to_grpo_rows"]
+__all__ = ["DatasetError", "DatasetRows", "load_dataset_rows", "load_grpo_dataset", "load_split", "to_grpo_rows"]
 
 # Frame files: a list of these in one `video` cell is one clip's frames (a list of other files: several clips).
 _FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff", ".gif")
@@ -76,7 +77,8 @@ def to_grpo_rows(
     video_column: str | None = None,
 ) -> Any:
     """Rename the mapped columns to `prompt`, `image`/`images`, `video`/`videos` and `answer`; string prompts become
-    chat messages.
+    chat messages. The prompt and answer columns also stay under their own names (as your data had them), so rewards
+    can read them by those.
 
     Unmapped columns default to the usual names (`prompt`/`problem`/`question`, `images`/`image`, `videos`/`video`,
     `answer`/`solution`), so the EasyR1 / geometry3k layout needs no flags. String prompts get
@@ -107,6 +109,11 @@ def to_grpo_rows(
         drop += [c for c in VIDEO_COLUMNS if c in columns and c != video and c not in drop]
     dataset = dataset.remove_columns(drop).rename_columns(renames)
     image = renames.get(image, image)
+    # Your own names stay beside the ones the trainer reads: a reward `f(completions, label, **kw)` gets `label`,
+    # the question column its text as written.
+    aliases = {old: new for old, new in renames.items() if new in ("prompt", "answer")}
+    if aliases:
+        dataset = dataset.map(_copy_columns, batched=True, fn_kwargs={"aliases": aliases}, desc="keeping your names")
 
     if isinstance(dataset[0]["prompt"] if len(dataset) else None, str):
         raw = dataset
@@ -135,6 +142,11 @@ def to_grpo_rows(
     return dataset
 
 
+def _copy_columns(batch: dict[str, list], aliases: dict[str, str]) -> dict[str, list]:
+    # Module level, its arguments in `fn_kwargs`: datasets can hash it for its cache.
+    return {old: batch[new] for old, new in aliases.items()}
+
+
 def _media_column(
     columns: list[str], given: str | None, default: Callable[[list[str]], str | None], flag: str
 ) -> str | None:
@@ -158,6 +170,24 @@ def _clip_column_name(dataset: Any, column: str) -> str:
     return "video"
 
 
+@dataclass
+class DatasetRows:
+    """What `load_dataset_rows` read: the training and held-out rows, and the columns of yours they came from.
+
+    Attributes:
+        train, test: GRPO rows (`test` None without a held-out set).
+        columns: for each role (`prompt`, `image`, `video`, `answer`), the column of yours that fills it (roles your
+            data has none for are left out).
+        image_found_by_content: True when no image column was named (`--image_column`, `image`, `images`) and the
+            one holding images was found by its values.
+    """
+
+    train: Any
+    test: Any | None
+    columns: dict[str, str] = field(default_factory=dict)
+    image_found_by_content: bool = False
+
+
 def load_grpo_dataset(
     source: str,
     split: str = "train",
@@ -172,15 +202,38 @@ def load_grpo_dataset(
     **columns: Any,
 ) -> tuple[Any, Any | None]:
     """`(train, test)` GRPO datasets from `source`: `eval_split`, else `test_size` rows held out (a fraction < 1 or a
-    count; 0: no held-out set). `columns` go to `to_grpo_rows` (column mapping, system prompt, template).
+    count; 0: no held-out set). `columns` go to `to_grpo_rows` (column mapping, system prompt, template); without an
+    image column named, the one column whose values are images is used, whatever its name (`find_image_column`).
 
-    Rows whose images or clips are missing or unreadable are skipped before the split, named by their line in a JSON Lines or
-    CSV file (`vlm_grpo.rows.drop_unreadable_rows`: `check_images` decodes every image, else only files' existence
-    is checked; `skip_bad_rows=False` raises instead; `stop_hint` is how the skip message says to do that)."""
+    Rows whose images or clips are missing or unreadable are skipped before the split, named by their line in a JSON
+    Lines or CSV file (`vlm_grpo.rows.drop_unreadable_rows`: `check_images` decodes every image, else only files'
+    existence is checked; `skip_bad_rows=False` raises instead; `stop_hint` is how the messages say to do that)."""
+    loaded = load_dataset_rows(source, split, name=name, eval_split=eval_split, test_size=test_size, seed=seed,
+                               check_images=check_images, skip_bad_rows=skip_bad_rows, stop_hint=stop_hint,
+                               **columns)  # fmt: skip
+    return loaded.train, loaded.test
+
+
+def load_dataset_rows(
+    source: str,
+    split: str = "train",
+    *,
+    name: str | None = None,
+    eval_split: str | None = None,
+    test_size: float = 0,
+    seed: int = 0,
+    check_images: bool = True,
+    skip_bad_rows: bool = True,
+    stop_hint: str = "skip_bad_rows=False",
+    **columns: Any,
+) -> DatasetRows:
+    """`load_grpo_dataset`, with the columns of yours each role came from (`DatasetRows`)."""
     media = {"image_column": columns.get("image_column"), "video_column": columns.get("video_column")}
     bad_rows = {"decode": check_images, "skip_bad_rows": skip_bad_rows, "stop_hint": stop_hint}
-    train = _checked_split(source, split, name, media, bad_rows)
-    test = _checked_split(source, eval_split, name, media, bad_rows) if eval_split else None
+    train, image, found = _checked_split(source, split, name, media, bad_rows)
+    # The held-out split's images are in the column the training split's are: found once, named for the second.
+    media["image_column"] = image
+    test = _checked_split(source, eval_split, name, media, bad_rows)[0] if eval_split else None
     if test is None and test_size:
         size = test_size if 0 < test_size < 1 else int(test_size)
         held_out = math.ceil(size * len(train)) if isinstance(size, float) else size  # as `train_test_split` counts
@@ -189,37 +242,53 @@ def load_grpo_dataset(
                                "leaving none to train on; hold out fewer (--test_size 0: none).")  # fmt: skip
         parts = train.train_test_split(test_size=size, seed=seed)
         train, test = parts["train"], parts["test"]
+    columns = {**columns, "image_column": image}
+    roles = _roles(list(train.column_names), columns)
     train = to_grpo_rows(train, **columns)
-    return train, to_grpo_rows(test, **columns) if test is not None else None
+    return DatasetRows(train, to_grpo_rows(test, **columns) if test is not None else None, roles, found)
 
 
-def _checked_split(source: str, split: str, name: str | None, media: dict[str, Any], bad_rows: dict[str, Any]) -> Any:
-    """`load_split` with the rows whose images or clips are missing or unreadable dropped (logged, named by their
-    line)."""
+def _roles(present: list[str], columns: dict[str, Any]) -> dict[str, str]:
+    """Which of `present` fills each role, as `to_grpo_rows` picks them (a role without a column left out)."""
+    picks = {"prompt": _find(present, columns.get("prompt_column"), PROMPT_COLUMNS, "--prompt_column"),
+             "image": columns.get("image_column"),
+             "video": columns.get("video_column") or next((c for c in VIDEO_COLUMNS if c in present), None),
+             "answer": _find(present, columns.get("answer_column"), ANSWER_COLUMNS, "--answer_column")}  # fmt: skip
+    return {role: column for role, column in picks.items() if column is not None}
+
+
+def _checked_split(
+    source: str, split: str, name: str | None, media: dict[str, Any], bad_rows: dict[str, Any]
+) -> tuple[Any, str | None, bool]:
+    """`(rows, image column, found by content)`: `load_source`'s split with the rows whose images or clips are
+    missing or unreadable dropped (logged, named by their line)."""
     from ..media.checks import drop_unreadable_rows
     from ..media.clips import VideoError
     from ..media.images import ImageError
 
-    dataset, row_names = load_source(source, split, name, media["image_column"], media["video_column"])
+    loaded = load_source(source, split, name, media["image_column"], media["video_column"])
+    dataset, row_names, column = loaded.dataset, loaded.row_names, loaded.image_column
     present = dataset.column_names
     try:
-        column = media["image_column"] or prompt_image_column(present)
+        prompt_image_column(present)
         clip_column = media["video_column"] or prompt_video_column(present)
     except ValueError:  # both `image` and `images` (or `video` and `videos`): to_grpo_rows names the fix
-        return dataset
+        return dataset, media["image_column"], False
     column = column if column in present else None
     clip_column = clip_column if clip_column in present else None
     if column is None and clip_column is None:
-        return dataset
+        return dataset, None, False
     label = source if split == "train" else f"{source} ({split})"
     try:
-        return drop_unreadable_rows(dataset, column, label, clip_column=clip_column, row_names=row_names, **bad_rows)[0]
+        dataset = drop_unreadable_rows(dataset, column, label, clip_column=clip_column, row_names=row_names,
+                                       **bad_rows)[0]  # fmt: skip
     except (ImageError, VideoError) as error:
         message = str(error)
         hint = _relative_paths_hint(source, dataset, column) if "looks wrong as a whole" in message else ""
         if "relative to the working directory" in hint:  # the hint names the cause: the first failure adds nothing
             message = message.split(" First: ")[0]
         raise DatasetError(message.rstrip(".") + "." + hint if hint else message) from error
+    return dataset, column, loaded.found_by_content
 
 
 def _relative_paths_hint(source: str, dataset: Any, column: str | None) -> str:

@@ -7,11 +7,13 @@ from __future__ import annotations
 import csv
 import json
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
-from ..media.columns import IMAGE_COLUMNS, VIDEO_COLUMNS
+from ..media.columns import IMAGE_COLUMNS, VIDEO_COLUMNS, is_image_url
+from ..media.images import fetch_image_bytes
+from .image_columns import find_image_column
 
-__all__ = ["FILE_BUILDERS", "DatasetError", "load_source", "load_split"]
+__all__ = ["FILE_BUILDERS", "DatasetError", "Source", "load_source", "load_split"]
 
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 _METADATA = ("metadata.jsonl", "metadata.csv")
@@ -19,6 +21,16 @@ _METADATA = ("metadata.jsonl", "metadata.csv")
 
 class DatasetError(ValueError):
     """A dataset that cannot be used as given; the message names the fix."""
+
+
+class Source(NamedTuple):
+    """One split as read: the rows, what messages call each row (its file line, or None: `row i`), the column holding
+    its images (None: none) and whether that column was found by what it holds rather than named."""
+
+    dataset: Any
+    row_names: list[str] | None
+    image_column: str | None
+    found_by_content: bool = False
 
 
 def _looks_local(source: str) -> bool:
@@ -54,15 +66,17 @@ def load_split(
 
 def load_source(
     source: str, split: str, name: str | None, image_column: str | None, video_column: str | None
-) -> tuple[Any, list[str] | None]:
-    """`load_split`, and what messages call each row: its line for JSON Lines and CSV files, else None (`row i`)."""
+) -> Source:
+    """`load_split` as a `Source`: also what messages call each row (its line for JSON Lines and CSV files, else None)
+    and the image column: `image_column`, else `image` / `images`, else the one column whose values are images
+    (`find_image_column`; several are refused, naming `--image_column`)."""
     import datasets
 
     path = os.path.expanduser(source)
     if os.path.isdir(path) and (metadata := _video_metadata(path, split, video_column)) is not None:
         dataset = datasets.load_dataset(FILE_BUILDERS[os.path.splitext(metadata)[1]], data_files=metadata,
                                         split="train")  # fmt: skip
-        return _media_as_features(dataset, os.path.dirname(metadata), image_column, video_column), None
+        return _media_as_features(dataset, os.path.dirname(metadata), image_column, video_column, None)
     if os.path.isdir(path):
         if any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json")):
             loaded = datasets.load_from_disk(path)
@@ -71,7 +85,7 @@ def load_source(
                 raise DatasetError(f"{source} holds one split (a saved Dataset); use --test_size for a held-out part.")
         else:  # an image folder: metadata.jsonl / .csv next to the images, optionally train/ and test/ subfolders
             dataset = _pick_split(datasets.load_dataset("imagefolder", data_dir=path), split, source)
-        return _media_as_features(dataset, path, image_column, video_column), None
+        return _media_as_features(dataset, path, image_column, video_column, None)
     if os.path.isfile(path):
         builder = FILE_BUILDERS.get(os.path.splitext(path)[1].lower())
         if builder is None:
@@ -88,10 +102,12 @@ def load_source(
         if len(dataset) == 0:
             raise DatasetError(f"{source} has no rows: nothing to train on.")
         names = [f"line {n}" for n in lines] if lines is not None and len(lines) == len(dataset) else None
-        return _media_as_features(dataset, os.path.dirname(os.path.abspath(path)), image_column, video_column), names
+        return _media_as_features(dataset, os.path.dirname(os.path.abspath(path)), image_column, video_column, names)
     if _looks_local(source):
         raise DatasetError(f"no such file or directory: {source}")
-    return datasets.load_dataset(source, name, split=split), None  # a Hub id
+    dataset = datasets.load_dataset(source, name, split=split)  # a Hub id: its image columns are datasets.Image
+    found = _image_column(dataset, image_column, video_column)
+    return Source(dataset, None, found, found not in (image_column, *IMAGE_COLUMNS))
 
 
 def _row_lines(path: str, source: str, builder: str) -> list[int] | None:
@@ -188,12 +204,16 @@ def _has_clip_column(file: str, video_column: str | None) -> bool:
     return any(c in columns for c in (video_column, *VIDEO_COLUMNS) if c)
 
 
-def _media_as_features(dataset: Any, base_dir: str, image_column: str | None, video_column: str | None) -> Any:
-    """Cast image columns holding paths (relative to `base_dir`) or bytes to `datasets.Image`, and resolve clip
-    columns' paths against `base_dir` (a missing file is the row check's to skip, as for images)."""
+def _media_as_features(
+    dataset: Any, base_dir: str, image_column: str | None, video_column: str | None, row_names: list[str] | None
+) -> Source:
+    """Cast image columns holding paths (relative to `base_dir`), URLs (fetched) or bytes to `datasets.Image`, and
+    resolve clip columns' paths against `base_dir` (a missing file is the row check's to skip, as for images). The
+    image column is `image_column`, else `image` / `images`, else the one found by its values."""
     from datasets import List, Sequence, Value
 
-    for column in [c for c in (image_column, *IMAGE_COLUMNS) if c in dataset.column_names]:
+    found = _image_column(dataset, image_column, video_column)
+    for column in dict.fromkeys(c for c in (found, *IMAGE_COLUMNS) if c in dataset.column_names):
         feature = dataset.features[column]
         inner = feature.feature if isinstance(feature, (List, Sequence)) else feature
         if isinstance(inner, Value) and inner.dtype in ("string", "large_string", "binary", "large_binary"):
@@ -205,7 +225,15 @@ def _media_as_features(dataset: Any, base_dir: str, image_column: str | None, vi
             dataset = _resolve_clips(dataset, column, base_dir)
         elif isinstance(inner, Value) and inner.dtype in ("binary", "large_binary"):  # encoded video files
             dataset = _bytes_clips(dataset, column)
-    return dataset
+    return Source(dataset, row_names, found, found not in (image_column, *IMAGE_COLUMNS))
+
+
+def _image_column(dataset: Any, image_column: str | None, video_column: str | None) -> str | None:
+    """`find_image_column`, its refusal a `DatasetError`."""
+    try:
+        return find_image_column(dataset, image_column, video_column)
+    except ValueError as error:
+        raise DatasetError(str(error)) from None
 
 
 def _bytes_clips(dataset: Any, column: str) -> Any:
@@ -246,6 +274,8 @@ def _resolve_images(dataset: Any, column: str, as_list: bool, base_dir: str) -> 
     def fix(value: Any) -> Any:
         if value is None or isinstance(value, bytes):
             return None if value is None else {"bytes": value, "path": None}
+        if is_image_url(value):  # fetched once, here: `datasets` would need aiohttp to read it at every step
+            return {"bytes": fetch_image_bytes(value), "path": value}
         # A missing file is kept as its path: `drop_unreadable_rows` skips its row like one with a corrupt image.
         return {"bytes": None, "path": os.path.join(base_dir, os.path.expanduser(value))}
 

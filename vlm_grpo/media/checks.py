@@ -16,7 +16,7 @@ from typing import Any
 
 from ..third_party_logs import datasets_bars_off
 from .clips import VideoError, is_clip_value, probe_clip
-from .columns import row_clips, row_images
+from .columns import column_media, row_clips
 from .images import ImageError, load_image
 
 __all__ = ["MAX_BAD_FRACTION", "SkippedRows", "drop_unreadable_rows", "undecoded"]
@@ -72,7 +72,8 @@ def drop_unreadable_rows(
     raw = undecoded(undecoded(dataset, column), clip_column)
     for index, row in enumerate(raw.select_columns([c for c in (column, clip_column) if c])):
         where = row_names[index] if row_names is not None else f"row {index}"
-        media = [("image", m, _image_problem, ImageError) for m in (row_images(row) if column else [])]
+        # By the column's own name: a row of `file` or `photo` holds its images there, not under `image`.
+        media = [("image", m, _image_problem, ImageError) for m in (column_media(row, column) if column else [])]
         media += [("clip", m, _clip_problem, VideoError) for m in (row_clips(row) if clip_column else [])]
         positions = {"image": 0, "clip": 0}
         for kind, value, problem_of, error_type in media:

@@ -3,17 +3,46 @@
 A row's images are in `image` (one) or `images` (a list), its clips in `video` (one) or `videos` (a list); a dataset
 with both columns of a kind is refused, as either could be meant. A row already prepared for a batch with clips
 (`vlm_grpo.rows.prepare_row`) holds them in its prompt's content blocks instead.
+
+Under any other name, a column is known to hold images by what it holds (`holds_images`): image file paths or URLs,
+encoded image bytes, PIL images or `datasets`' `{"bytes", "path"}` dicts, one per row or a list; so a column called
+`file`, `path` or `src` is found as surely as one called `image`.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["IMAGE_COLUMNS", "VIDEO_COLUMNS", "image_column", "is_chat", "row_clips", "row_images", "video_column"]
+from PIL import Image
+
+__all__ = [
+    "IMAGE_COLUMNS",
+    "IMAGE_LIKE_NAMES",
+    "IMAGE_SUFFIXES",
+    "VIDEO_COLUMNS",
+    "column_media",
+    "holds_images",
+    "image_column",
+    "is_chat",
+    "is_image_url",
+    "looks_like_image",
+    "row_clips",
+    "row_images",
+    "video_column",
+]
 
 IMAGE_COLUMNS = ("image", "images")
 VIDEO_COLUMNS = ("video", "videos")
+# Column names that mean images: a column so named that holds none is more likely a mistake than text.
+IMAGE_LIKE_NAMES = (
+    "img", "imgs", "picture", "pictures", "photo", "photos", "pixel_values", "image_path", "image_paths", "image_file",
+    "image_files", "image_bytes",
+)  # fmt: skip
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff", ".gif")
+# The first bytes of the encodings PIL reads most often: PNG, JPEG, GIF, BMP, TIFF (both byte orders), WebP (RIFF).
+_IMAGE_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"BM", b"II*\x00", b"MM\x00*", b"RIFF")
 
 
 def _a(word: str) -> str:
@@ -84,3 +113,52 @@ def row_clips(row: dict[str, Any]) -> list[Any]:
     if value is None:
         return []
     return list(value) if column == "videos" else [value]
+
+
+def is_image_url(value: Any) -> bool:
+    """Whether `value` is an http(s) URL of an image file (by its suffix, a query string aside)."""
+    if not isinstance(value, str) or not value.lower().startswith(("http://", "https://")):
+        return False
+    return value.split("?", 1)[0].split("#", 1)[0].lower().endswith(IMAGE_SUFFIXES)
+
+
+def looks_like_image(value: Any) -> bool:
+    """Whether one cell holds an image by what it is: a PIL image, `datasets`' `{"bytes", "path"}` dict, encoded
+    image bytes (PNG, JPEG, GIF, BMP, TIFF, WebP), or a path or URL of an image file (by its suffix).
+
+    >>> looks_like_image("img/000.jpg"), looks_like_image("a cat"), looks_like_image(b"\\x89PNG\\r\\n")
+    (True, False, True)
+    """
+    if isinstance(value, Image.Image):
+        return True
+    if isinstance(value, dict):
+        return {"bytes", "path"} <= set(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value[:4]).startswith(_IMAGE_MAGIC)
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if is_image_url(value):
+        return True
+    return isinstance(value, str) and "\n" not in value and value.strip().lower().endswith(IMAGE_SUFFIXES)
+
+
+def holds_images(values: Iterable[Any]) -> bool:
+    """Whether a column's values (a sample of its rows) hold images: every value that is not None is an image
+    (`looks_like_image`) or a non-empty list of them, and at least one is."""
+    seen = False
+    for value in values:
+        if value is None or isinstance(value, (list, tuple)) and not value:
+            continue
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if not all(looks_like_image(item) for item in items):
+            return False
+        seen = True
+    return seen
+
+
+def column_media(row: dict[str, Any], column: str) -> list[Any]:
+    """The images (or clips) a row holds in `column`, whatever its name, as a list: one value, or a list of them."""
+    value = row.get(column)
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]

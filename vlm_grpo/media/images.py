@@ -18,7 +18,9 @@ import numpy as np
 from PIL import Image, ImageOps
 
 __all__ = [
+    "URL_TIMEOUT",
     "ImageError",
+    "fetch_image_bytes",
     "load_image",
     "load_rgb_images",
     "normalize_image",
@@ -36,6 +38,36 @@ _DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeEr
 
 class ImageError(ValueError):
     """An input could not be turned into an image; the message says why and how to fix it."""
+
+
+#: Seconds an image URL may take to answer before its row counts as unreadable.
+URL_TIMEOUT = 30
+
+
+def _is_url(path: str) -> bool:
+    return path.lower().startswith(("http://", "https://"))
+
+
+def _fetch(url: str) -> bytes:
+    """The body of `url` (http or https), or `ImageError` saying why not."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=URL_TIMEOUT) as response:  # http(s) only: _is_url
+            return response.read()
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        reason = getattr(error, "reason", None) or error
+        raise ImageError(f"image URL {url!r} could not be fetched ({reason}); check the URL or the network") from error
+
+
+def fetch_image_bytes(url: str) -> bytes | None:
+    """The bytes of an image URL, fetched once when a dataset is loaded; None when it cannot be fetched (the row
+    check then fetches it again and names the reason, skipping its row)."""
+    try:
+        return _fetch(url)
+    except ImageError:
+        return None
 
 
 # --------------------------------------------------------------------------- loading
@@ -108,6 +140,8 @@ def _decode(img: Image.Image, what: str) -> Image.Image:
 
 def _load_path(path: str | os.PathLike[str]) -> Image.Image:
     path = os.fspath(path)
+    if _is_url(path):
+        return _load_bytes(_fetch(path), f"image URL {path!r}")
     if not os.path.isfile(path):
         raise ImageError(f"image file not found: {path!r}; check the path or the dataset's image root")
     what = f"image file {path!r}"

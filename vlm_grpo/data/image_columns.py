@@ -1,0 +1,61 @@
+"""Which column of your data holds its images, found by what the column holds when it is not named.
+
+`--image_column` names it; else `image` or `images` is it; else the one column whose values are images
+(`vlm_grpo.media.columns.holds_images`: paths or URLs of image files, encoded image bytes, PIL images, `{"bytes",
+"path"}` dicts, one per row or a list), whatever it is called: `file`, `path`, `src`. Two such columns are refused
+naming `--image_column`, and so is a column named like images (`photo`, `img_path`) whose values are none: the run
+never trains on text alone because a column had an unexpected name. Beside a clip column nothing is guessed (a list
+of frame paths is a clip there).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..media.columns import IMAGE_COLUMNS, IMAGE_LIKE_NAMES, VIDEO_COLUMNS, holds_images
+
+__all__ = ["SAMPLE_ROWS", "find_image_column"]
+
+#: Rows a column's values are read from to tell whether it holds images: enough to see through a few empty cells,
+#: few enough to be instant on any dataset.
+SAMPLE_ROWS = 32
+
+
+def _is_image_feature(feature: Any) -> bool:
+    from datasets import Image
+
+    inner = getattr(feature, "feature", None) or (feature[0] if isinstance(feature, list) and feature else None)
+    return isinstance(feature, Image) or isinstance(inner, Image)
+
+
+def find_image_column(dataset: Any, given: str | None, video_column: str | None) -> str | None:
+    """The column holding `dataset`'s images: `given`, else `image` / `images`, else the one column whose values are
+    images (None: no column holds any). Data with clips (`video`, `videos`, `video_column`) is not looked through: a
+    list of frame paths there is a clip, and its images (if any) are named.
+
+    Raises:
+        ValueError: two or more columns hold images, or a column named like images (`photo`) holds none; the
+            message names `--image_column` (the loader raises it as its `DatasetError`).
+    """
+    columns = list(dataset.column_names)
+    if given is not None or any(c in columns for c in IMAGE_COLUMNS):
+        return given if given is not None else next(c for c in IMAGE_COLUMNS if c in columns)
+    if video_column in columns or any(c in columns for c in VIDEO_COLUMNS):
+        # Beside clips, a column of image paths may be a clip's frames: images there are named, not guessed.
+        return None
+    candidates = list(columns)
+    sample = dataset.select(range(min(len(dataset), SAMPLE_ROWS))) if candidates else None
+    found = [c for c in candidates if _is_image_feature(dataset.features[c]) or holds_images(sample[c])]
+    if len(found) > 1:
+        shown = ", ".join(f"`{c}`" for c in found)
+        raise ValueError(f"columns {shown} all hold images; name the one to train on with --image_column "
+                           f"{found[0]}.")  # fmt: skip
+    if found:
+        return found[0]
+    named = [c for c in candidates if c.lower() in IMAGE_LIKE_NAMES]
+    if named:
+        example = next((v for v in sample[named[0]] if v is not None), None)
+        raise ValueError(f"column `{named[0]}` is named like an image column but holds no image paths, URLs or bytes "
+                           f"(e.g. {str(example)[:60]!r}); if it holds images, name it with --image_column "
+                           f"{named[0]}.")  # fmt: skip
+    return None
