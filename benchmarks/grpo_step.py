@@ -125,6 +125,9 @@ def parse_args(argv=None):
     p.add_argument("--profile_step", type=int, default=0,
                    help="run this step of each trainer under torch.profiler and the next under cProfile "
                    "(step_profile.py: host and device time per phase; needs --steps >= profile_step + 1)")  # fmt: skip
+    p.add_argument("--memory_peak", type=int, default=0,
+                   help="record every allocation over this step and report what holds the memory at its peak, by the "
+                   "code that allocated it (memory_peak.py; CUDA only)")  # fmt: skip
     p.add_argument("--checkpoint_dir", default="/tmp/vlm-grpo-bench", help="where the random checkpoint is cached")
     p.add_argument("--out", default="benchmarks/results", help="output folder for results.json / results.md")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -259,6 +262,11 @@ def run_worker(args) -> None:
 
         trainer.accelerator.backward = labelled_backward
     load_s = time.perf_counter() - load_start
+    memory: dict = {}
+    if args.memory_peak and on_gpu:
+        from memory_peak import memory_peak_callback
+
+        trainer.add_callback(memory_peak_callback(args.memory_peak, memory))
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
@@ -278,7 +286,8 @@ def run_worker(args) -> None:
                                        if hasattr(trainer, "fast_generator") else {}),
               # vlm-grpo: log-prob calls served by the shared-prefix path, and why any fell back to TRL's
               "shared_prefix_calls": getattr(trainer, "shared_prefix_calls", None),
-              "shared_prefix_fallbacks": getattr(trainer, "shared_prefix_fallbacks", {})}  # fmt: skip
+              "shared_prefix_fallbacks": getattr(trainer, "shared_prefix_fallbacks", {}),
+              "memory_peak": memory.get("result")}  # fmt: skip
     with open(args.worker_out, "w") as f:
         json.dump(result, f)
 
@@ -351,6 +360,11 @@ def main(argv=None) -> None:
         if q := run_summary["quantized_generation"]:
             table += (f"\n{name}: quantised layers generate in {q['mode']} mode ({q['layers']} layers, "
                       f"{q['copy_gib']:.1f} GiB of 16-bit copies)\n")  # fmt: skip
+    from memory_peak import markdown as memory_markdown
+
+    for name, name_runs in runs.items():
+        if name_runs and name_runs[0].get("memory_peak"):
+            table += memory_markdown(name, name_runs[0]["memory_peak"])
     print(table, flush=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"args": vars(args), "env": env, "summaries": summaries, "runs": runs, "failures": failures}, f,

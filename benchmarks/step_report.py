@@ -52,7 +52,7 @@ def markdown(summaries: dict, args, env: dict, variants: dict) -> str:
 
     for mine in (n for n in summaries if n in variants):
         ours = summaries[mine]
-        for base in ("trl", "trl-static", "trl-bf16", "vlm-grpo-off"):
+        for base in ("trl", "trl-static", "trl-bf16", "vlm-grpo-off", "trl-vllm", "trl-vllm-blocked"):
             if base in summaries and base != mine:
                 b = summaries[base]
                 keys = (
