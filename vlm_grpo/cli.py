@@ -67,6 +67,7 @@ def build_task(script: ScriptArguments, config: Any) -> Task:
             video_column=script.video_column,
             system_prompt=script.system_prompt, prompt_template=script.prompt_template, **rewards,
             check_images=config.check_images, skip_bad_rows=config.skip_bad_rows, stop_hint="--no_skip_bad_rows",
+            keep_origin=True,  # a reward that fails on a row names its line
         )  # fmt: skip
     except OSError as error:  # a missing file, or a Hub id that cannot be fetched
         raise UsageError(f"--dataset {script.dataset}: cannot load it ({type(error).__name__}: {error}).") from error

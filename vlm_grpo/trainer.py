@@ -28,7 +28,7 @@ its concern:
 - `_generate_single_turn`: inference mode while generating (`vlm_grpo.modes`); completions from the fast generator
   unless it cannot serve the call (`vlm_grpo.generation_route`: TRL's `model.generate`, the reason logged once).
 - `_calculate_rewards`: rows reach the rewards in the dataset's own format (`vlm_grpo.rows.rows_for_rewards`); the
-  rewards kept for dynamic sampling's filter.
+  rewards kept for dynamic sampling's filter; a failing reward's row named by its file and line where known.
 - `_get_per_token_logps_and_entropies`: the sampler's blocked ids out of the scored softmax, for the policy and the
   reference (`vlm_grpo.blocked_tokens`); each group's prompt and images computed once where the shared-prefix path
   serves (`vlm_grpo.scoring_route`), else TRL's per-row forward, with a batch's clips.
@@ -67,7 +67,8 @@ from .media.processing import VISION_ROWS, holds_clips, tokenize_clip_prompts, t
 from .model_card import complete_model_card
 from .modes import apply_configured_checkpointing, checkpointing_off, generating
 from .private_api import merged_generation_config
-from .rows import add_image_sizes, prepare_row, rows_for_rewards
+from .reward_checks import RewardFunctionError
+from .rows import add_image_sizes, name_failing_row, prepare_row, rows_for_rewards
 from .sampler_logprobs import (
     log_batch_gap,
     log_masked_sequences,
@@ -305,8 +306,12 @@ class VLMGRPOTrainer(GRPOTrainer):
         def decode(ids: list[list[int]]) -> list[str]:
             return self.processing_class.batch_decode(ids, skip_special_tokens=True)
 
-        inputs, prompts, completions = rows_for_rewards(inputs, prompts, completions, completion_ids_list, decode)
-        self._last_rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        rows, prompts, completions = rows_for_rewards(inputs, prompts, completions, completion_ids_list, decode)
+        try:
+            self._last_rewards_per_func = super()._calculate_rewards(rows, prompts, completions, completion_ids_list)
+        except RewardFunctionError as error:  # the row named by its file and line, where the dataset kept them
+            name_failing_row(error, inputs)
+            raise
         return self._last_rewards_per_func
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):

@@ -27,6 +27,7 @@ from ..media.columns import IMAGE_COLUMNS, VIDEO_COLUMNS
 from ..media.columns import image_column as prompt_image_column
 from ..media.columns import video_column as prompt_video_column
 from ..prompts import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, apply_template, user_content, with_system
+from ..reward_checks import ROW_ORIGIN
 from .sources import DatasetError, load_source, load_split
 
 __all__ = ["DatasetError", "load_grpo_dataset", "load_split", "to_grpo_rows"]
@@ -169,6 +170,7 @@ def load_grpo_dataset(
     check_images: bool = True,
     skip_bad_rows: bool = True,
     stop_hint: str = "skip_bad_rows=False",
+    keep_origin: bool = False,
     **columns: Any,
 ) -> tuple[Any, Any | None]:
     """`(train, test)` GRPO datasets from `source`: `eval_split`, else `test_size` rows held out (a fraction < 1 or a
@@ -176,9 +178,12 @@ def load_grpo_dataset(
 
     Rows whose images or clips are missing or unreadable are skipped before the split, named by their line in a JSON Lines or
     CSV file (`vlm_grpo.rows.drop_unreadable_rows`: `check_images` decodes every image, else only files' existence
-    is checked; `skip_bad_rows=False` raises instead; `stop_hint` is how the skip message says to do that)."""
+    is checked; `skip_bad_rows=False` raises instead; `stop_hint` is how the skip message says to do that).
+    `keep_origin` keeps each row's line of such a file ("data.jsonl line 7") in a `vlm_grpo.reward_checks.ROW_ORIGIN`
+    column, so a reward that fails on a row names its line; reward functions never see that column."""
     media = {"image_column": columns.get("image_column"), "video_column": columns.get("video_column")}
-    bad_rows = {"decode": check_images, "skip_bad_rows": skip_bad_rows, "stop_hint": stop_hint}
+    bad_rows = {"decode": check_images, "skip_bad_rows": skip_bad_rows, "stop_hint": stop_hint,
+                "keep_origin": keep_origin}  # fmt: skip
     train = _checked_split(source, split, name, media, bad_rows)
     test = _checked_split(source, eval_split, name, media, bad_rows) if eval_split else None
     if test is None and test_size:
@@ -201,6 +206,9 @@ def _checked_split(source: str, split: str, name: str | None, media: dict[str, A
     from ..media.images import ImageError
 
     dataset, row_names = load_source(source, split, name, media["image_column"], media["video_column"])
+    bad_rows = dict(bad_rows)
+    if bad_rows.pop("keep_origin", False) and row_names is not None:  # before rows are dropped: it goes with its row
+        dataset = dataset.add_column(ROW_ORIGIN, [f"{source} {row}" for row in row_names])
     present = dataset.column_names
     try:
         column = media["image_column"] or prompt_image_column(present)
