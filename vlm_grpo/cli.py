@@ -195,18 +195,23 @@ def _clear_earlier_run(output_dir: str) -> None:
 
 
 def _save_final(trainer: Any, processor: Any, final: str) -> None:
-    """The trained model and its processor to `final`, written atomically by rank 0."""
+    """The trained model and its processor to `final`, written atomically by rank 0; a failed write is one line
+    (`vlm_grpo.checkpoint_writes.CheckpointWriteError`)."""
     from .callbacks import library_bars_off
+    from .checkpoint_writes import final_write_error
     from .export import atomic_directory
 
     # A collective (sharded weights are gathered on every rank); rank 0 writes.
-    if trainer.accelerator.is_main_process:
-        with atomic_directory(final) as tmp, library_bars_off():
-            trainer.save_model(tmp)
-            processor.save_pretrained(tmp)
-    else:
-        with library_bars_off():
-            trainer.save_model(final)  # joins the gather; writes nothing off rank 0
+    try:
+        if trainer.accelerator.is_main_process:
+            with atomic_directory(final) as tmp, library_bars_off():
+                trainer.save_model(tmp)
+                processor.save_pretrained(tmp)
+        else:
+            with library_bars_off():
+                trainer.save_model(final)  # joins the gather; writes nothing off rank 0
+    except Exception as error:
+        raise final_write_error(error, final, trainer.args.output_dir, trainer.model) from error
     trainer.accelerator.wait_for_everyone()
 
 

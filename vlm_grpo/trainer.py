@@ -7,12 +7,15 @@ its concern:
   hooks so checkpointed vision LoRA trains), the blocked ids checked (`vlm_grpo.blocked_tokens`), a fresh adapter's KL
   reference without TRL's copy (`vlm_grpo.engine.adapters_off`), Qwen-VL vision towers attending in batched calls
   (`vlm_grpo.engine.vision_attention`), one progress bar (`vlm_grpo.callbacks.RewardProgressBar`), checkpoints
-  following the umask (`vlm_grpo.files`). With `use_vllm`, vLLM's sampling settled before it loads
-  (`vlm_grpo.engine.vllm_sampling`) and TRL's vLLM generation given vLLM's placeholder form and checked
-  (`vlm_grpo.engine.vllm_rollouts`).
+  following the umask (`vlm_grpo.files`), steps with a NaN / inf loss or gradient norm skipped
+  (`vlm_grpo.nonfinite`). With `use_vllm`, vLLM's sampling settled before it loads (`vlm_grpo.engine.vllm_sampling`)
+  and TRL's vLLM generation given vLLM's placeholder form and checked (`vlm_grpo.engine.vllm_rollouts`).
 - `train`: refuses a TRL that cannot compute GRPO log-probs on this device (`vlm_grpo.compat`); `True` for
   `resume_from_checkpoint` is the newest *complete* checkpoint (`vlm_grpo.checkpoints`); dynamic sampling's prompt
   stream restarted; the layers' training forward compiled for the run (`vlm_grpo.engine.compiled_layers`).
+- `_save_checkpoint`: a write that fails (a full disk, the file-size limit) removes what it left incomplete and raises
+  one line naming the path and the need (`vlm_grpo.checkpoint_writes`).
+- `_get_grad_norm`: transformers' gradient norm, read by the non-finite guard before each optimizer step.
 - `save_model` / `_load_from_checkpoint`: the model written under FSDP with sharded checkpoints (transformers writes
   nothing there), without transformers' bar inside the training bar; full weights resumed under the model's own names
   (`vlm_grpo.checkpoints.load_full_weights`).
@@ -32,7 +35,8 @@ its concern:
 - `_get_per_token_logps_and_entropies`: the sampler's blocked ids out of the scored softmax, for the policy and the
   reference (`vlm_grpo.blocked_tokens`); each group's prompt and images computed once where the shared-prefix path
   serves (`vlm_grpo.scoring_route`), else TRL's per-row forward, with a batch's clips.
-- `_compute_loss`: a batch's clips reach the log-probs; the gap between the loss's and the sampler's log-probs logged.
+- `_compute_loss`: a batch's clips reach the log-probs; the gap between the loss's and the sampler's log-probs logged;
+  the loss read by the non-finite guard.
 Everything else (losses, GSPO, vLLM, logging, checkpointing) is TRL's own. The private TRL names touched here are
 listed, with the signatures they were tested with, in `vlm_grpo.private_api`.
 """
@@ -40,14 +44,17 @@ listed, with the signatures they were tested with, in `vlm_grpo.private_api`.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import torch
 from transformers import ProgressCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 
 from .blocked_tokens import check_blocking_settings, scoring_as_sampled, suppress_token
 from .callbacks import RewardProgressBar, library_bars_off
+from .checkpoint_writes import writing_checkpoint
 from .checkpoints import load_full_weights, newest_complete_checkpoint
 from .compat import check_trl_device_support, is_checkpointing, quiet_third_party_checkpointing_deprecations
 from .config import VLMGRPOConfig
@@ -66,6 +73,7 @@ from .integrations.unsloth import maybe_patch_for_model
 from .media.processing import VISION_ROWS, holds_clips, tokenize_clip_prompts, tokenize_distinct
 from .model_card import complete_model_card
 from .modes import apply_configured_checkpointing, checkpointing_off, generating
+from .nonfinite import NonFiniteGuard
 from .private_api import merged_generation_config
 from .reward_checks import RewardFunctionError
 from .rows import add_image_sizes, name_failing_row, prepare_row, rows_for_rewards
@@ -160,6 +168,8 @@ class VLMGRPOTrainer(GRPOTrainer):
         if self.pop_callback(ProgressCallback) is not None:  # its bar, without a printed dict per log record
             self.add_callback(RewardProgressBar())
         self.add_callback(CheckpointModesCallback())
+        self.nonfinite_guard = NonFiniteGuard(self)  # NaN / inf steps skipped, counted, the run stopped after a few
+        self.add_callback(self.nonfinite_guard)
         self.fast_generator = make_generator(self)
         self._fast_generation_fallbacks: set[str] = set()
         # A fresh adapter's KL reference: the policy with its adapters off by their own flags, not PEFT's walks; TRL
@@ -220,6 +230,15 @@ class VLMGRPOTrainer(GRPOTrainer):
         if self.args.push_to_hub:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        checkpoint = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        with writing_checkpoint(checkpoint, self.args.output_dir, unwrapped, writes=self.args.should_save):
+            super()._save_checkpoint(model, trial)
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        return self.nonfinite_guard.note_grad_norm(super()._get_grad_norm(model, grad_norm=grad_norm))
+
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags: Any = None):
         """TRL's model card, with a local base model named rather than `[None]` (`vlm_grpo.model_card`)."""
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
@@ -269,6 +288,8 @@ class VLMGRPOTrainer(GRPOTrainer):
         finally:
             self._vision_rows, scored, self._scored_logps = None, self._scored_logps, None
         log_batch_gap(self, inputs, scored[0] if scored else None)
+        if model.training:  # evaluation's losses train nothing
+            self.nonfinite_guard.note_loss(loss)
         return loss
 
     def _tokenize_prompts(self, prompts: list):
