@@ -220,7 +220,7 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     `after/…`; empty without a held-out set). Raises `UsageError` for bad arguments, before writing anything."""
     import torch
 
-    from .callbacks import library_bars_off, plot_reward_curve
+    from .callbacks import close_progress_bars, library_bars_off, plot_reward_curve
     from .engine.sharded import full_weights
     from .evaluation import evaluate
     from .media.video_budget import VIDEO_SETTINGS
@@ -268,7 +268,10 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
         trainer = VLMGRPOTrainer(model=model, reward_funcs=task.reward_funcs, args=config, train_dataset=task.train,
                                  processing_class=processor, **tools)  # fmt: skip
     _show_progress(trainer, metrics_path, reward_name(task.accuracy))
-    trainer.train(resume_from_checkpoint=resume)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    finally:  # a run stopped by an error says so in one line, after the bar
+        close_progress_bars(trainer)
     # Saved before the held-out evaluation, so a failure there cannot lose it.
     _save_final(trainer, processor, os.path.join(config.output_dir, "final"))
 
@@ -293,10 +296,56 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     return results
 
 
+def _resume_command(argv: list[str]) -> str:
+    """The command line that continues this run: `argv` with `--resume_from_checkpoint` (no value: the newest
+    complete checkpoint) instead of any checkpoint it named, and without `--overwrite_output_dir`."""
+    import shlex
+
+    kept, skip_value = [], False
+    for arg in argv:
+        if skip_value and not arg.startswith("--"):  # the checkpoint the first run was resumed from
+            skip_value = False
+            continue
+        skip_value = arg == "--resume_from_checkpoint"
+        if not (skip_value or arg.startswith(("--resume_from_checkpoint=", "--overwrite_output_dir"))):
+            kept.append(arg)
+    return shlex.join([PROG, *kept, "--resume_from_checkpoint"])
+
+
+def _stopped(error: Exception, argv: list[str], output_dir: str | None) -> int | None:
+    """One line and the exit status for a run that stopped on purpose (0: preempted, resumable) or on a fault it
+    names (1); None for any other error, which is raised as it is."""
+    from .checkpoint_writes import CheckpointWriteError
+    from .checkpoints import newest_complete_checkpoint
+    from .dynamic_sampling import NoRewardVariance
+    from .nonfinite import NonFiniteTraining
+    from .preemption import TrainingPreempted
+    from .reward_checks import RewardFunctionError
+
+    if isinstance(error, TrainingPreempted):
+        if error.checkpoint is None:
+            print(f"{PROG}: {error}; nothing to resume from after this run's start", file=sys.stderr, flush=True)
+            return 1
+        print(f"{PROG}: {error}; resume with: {_resume_command(argv)}", flush=True)
+        return 0
+    if isinstance(error, (NoRewardVariance, CheckpointWriteError)):  # each names what is left and how to go on
+        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+        return 1
+    if not isinstance(error, (NonFiniteTraining, RewardFunctionError)):
+        return None
+    newest = newest_complete_checkpoint(output_dir) if output_dir else None
+    left = (f" The newest complete checkpoint, {newest}, is intact: fix this, then resume with "
+            "--resume_from_checkpoint." if newest else "")  # fmt: skip
+    print(f"{PROG}: error: {error}{left}", file=sys.stderr, flush=True)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point of `vlm-grpo`: the exit status (0 success, 1 non-finite accuracy or nothing to learn,
-    2 bad arguments)."""
+    """Console entry point of `vlm-grpo`: the exit status (0 success, or stopped by SIGTERM with a checkpoint to
+    resume from; 1 a run that stopped on a fault it names (a reward function that failed, non-finite steps, a
+    checkpoint that could not be written, no reward signal), or non-finite accuracy; 2 bad arguments)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    config = None
     try:
         if "--help-all" in argv:
             build_parser().print_help()
@@ -304,17 +353,16 @@ def main(argv: list[str] | None = None) -> int:
         if "-h" in argv or "--help" in argv:
             print(short_help(), end="")
             return 0
-        results = run(*parse_args(argv))
+        script, config = parse_args(argv)
+        results = run(script, config)
     except UsageError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
-    except RuntimeError as error:
-        from .dynamic_sampling import NoRewardVariance  # here, not above: --help must not import torch
-
-        if not isinstance(error, NoRewardVariance):
+    except Exception as error:
+        status = _stopped(error, argv, getattr(config, "output_dir", None))
+        if status is None:
             raise
-        print(f"{PROG}: error: {error}", file=sys.stderr)  # --dynamic_sampling found no reward signal at the start
-        return 1
+        return status
     if not all(math.isfinite(v) for k, v in results.items() if k.endswith("accuracy")):
         print(f"{PROG}: held-out accuracy is not a number: {results}", file=sys.stderr)
         return 1

@@ -8,11 +8,13 @@ its concern:
   reference without TRL's copy (`vlm_grpo.engine.adapters_off`), Qwen-VL vision towers attending in batched calls
   (`vlm_grpo.engine.vision_attention`), one progress bar (`vlm_grpo.callbacks.RewardProgressBar`), checkpoints
   following the umask (`vlm_grpo.files`), steps with a NaN / inf loss or gradient norm skipped
-  (`vlm_grpo.nonfinite`). With `use_vllm`, vLLM's sampling settled before it loads (`vlm_grpo.engine.vllm_sampling`)
-  and TRL's vLLM generation given vLLM's placeholder form and checked (`vlm_grpo.engine.vllm_rollouts`).
+  (`vlm_grpo.nonfinite`), SIGTERM turned into a checkpoint and a stop (`vlm_grpo.preemption`). With `use_vllm`, vLLM's
+  sampling settled before it loads (`vlm_grpo.engine.vllm_sampling`) and TRL's vLLM generation given vLLM's
+  placeholder form and checked (`vlm_grpo.engine.vllm_rollouts`).
 - `train`: refuses a TRL that cannot compute GRPO log-probs on this device (`vlm_grpo.compat`); `True` for
   `resume_from_checkpoint` is the newest *complete* checkpoint (`vlm_grpo.checkpoints`); dynamic sampling's prompt
-  stream restarted; the layers' training forward compiled for the run (`vlm_grpo.engine.compiled_layers`).
+  stream restarted; the layers' training forward compiled for the run (`vlm_grpo.engine.compiled_layers`); a run
+  stopped by SIGTERM raises `TrainingPreempted` naming its checkpoint (`vlm_grpo.preemption`).
 - `_save_checkpoint`: a write that fails (a full disk, the file-size limit) removes what it left incomplete and raises
   one line naming the path and the need (`vlm_grpo.checkpoint_writes`).
 - `_get_grad_norm`: transformers' gradient norm, read by the non-finite guard before each optimizer step.
@@ -74,6 +76,7 @@ from .media.processing import VISION_ROWS, holds_clips, tokenize_clip_prompts, t
 from .model_card import complete_model_card
 from .modes import apply_configured_checkpointing, checkpointing_off, generating
 from .nonfinite import NonFiniteGuard
+from .preemption import PreemptionCallback
 from .private_api import merged_generation_config
 from .reward_checks import RewardFunctionError
 from .rows import add_image_sizes, name_failing_row, prepare_row, rows_for_rewards
@@ -170,6 +173,8 @@ class VLMGRPOTrainer(GRPOTrainer):
         self.add_callback(CheckpointModesCallback())
         self.nonfinite_guard = NonFiniteGuard(self)  # NaN / inf steps skipped, counted, the run stopped after a few
         self.add_callback(self.nonfinite_guard)
+        self.preemption = PreemptionCallback()  # SIGTERM: a checkpoint and a stop at the end of the step
+        self.add_callback(self.preemption)
         self.fast_generator = make_generator(self)
         self._fast_generation_fallbacks: set[str] = set()
         # A fresh adapter's KL reference: the policy with its adapters off by their own flags, not PEFT's walks; TRL
@@ -210,9 +215,11 @@ class VLMGRPOTrainer(GRPOTrainer):
         self._compile_layers()  # for this run only: afterwards the model's own forwards, for whatever uses it next
         self.compile_cache.load(resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None)
         try:
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+            output = super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             self.compiled_layers.detach()
+        self.preemption.raise_if_stopped(self.args.output_dir, self.state.global_step)
+        return output
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """`Trainer.save_model`, which also writes the model under FSDP with sharded checkpoints.
