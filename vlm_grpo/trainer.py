@@ -6,7 +6,8 @@ its concern:
   (`vlm_grpo.trainer_inputs`); then the model's modes (`vlm_grpo.modes`: checkpointing as configured, requires-grad
   hooks so checkpointed vision LoRA trains), the blocked ids checked (`vlm_grpo.blocked_tokens`), a fresh adapter's KL
   reference without TRL's copy (`vlm_grpo.engine.adapters_off`), Qwen-VL vision towers attending in batched calls
-  (`vlm_grpo.engine.vision_attention`), one progress bar (`vlm_grpo.callbacks.RewardProgressBar`), checkpoints
+  (`vlm_grpo.engine.vision_attention`), transformers' input-grads hook replaced rather than added to each time TRL
+  switches checkpointing on (`vlm_grpo.hooks`), one progress bar (`vlm_grpo.callbacks.RewardProgressBar`), checkpoints
   following the umask (`vlm_grpo.files`), steps with a NaN / inf loss or gradient norm skipped
   (`vlm_grpo.nonfinite`), SIGTERM turned into a checkpoint and a stop (`vlm_grpo.preemption`). With `use_vllm`, vLLM's
   sampling settled before it loads (`vlm_grpo.engine.vllm_sampling`) and TRL's vLLM generation given vLLM's
@@ -70,7 +71,7 @@ from .engine.vllm_sampling import vllm_sampling
 from .families import core_model, find_family
 from .files import CheckpointModesCallback
 from .generation_route import fast_generate, make_generator
-from .hooks import enable_requires_grad_hooks
+from .hooks import enable_requires_grad_hooks, replace_stale_input_grads_hooks
 from .integrations.unsloth import maybe_patch_for_model
 from .media.processing import VISION_ROWS, holds_clips, tokenize_clip_prompts, tokenize_distinct
 from .model_card import complete_model_card
@@ -165,6 +166,7 @@ class VLMGRPOTrainer(GRPOTrainer):
             unwrapped.set_adapter("default")
         if is_checkpointing(unwrapped):
             enable_requires_grad_hooks(unwrapped)
+        replace_stale_input_grads_hooks(unwrapped)  # TRL re-enables checkpointing every step: one hook, not one a step
         maybe_patch_for_model(unwrapped)  # no-op unless the model came from Unsloth
         if getattr(args, "packed_vision_attention", True):
             pack_vision_attention(unwrapped)
