@@ -6,6 +6,7 @@ from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPas
 from vlm_grpo.hooks import (
     disable_requires_grad_hooks,
     enable_requires_grad_hooks,
+    replace_stale_input_grads_hooks,
     requires_grad_post_hook,
     requires_grad_pre_hook,
 )
@@ -96,3 +97,22 @@ def test_enable_is_idempotent_and_removable(tiny_dir):
     assert disable_requires_grad_hooks(model) == 3
     assert len(model._forward_hooks) == 0 and len(model.get_input_embeddings()._forward_hooks) == 0
     assert disable_requires_grad_hooks(model) == 0
+
+
+def test_transformers_input_grads_hooks_are_replaced_not_piled_up(tiny_dir):
+    # TRL switches checkpointing on after every scoring pass, which calls this: one call per training step.
+    model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"), full_finetuning=True)
+    embedding = model.get_input_embeddings()
+    before = len(embedding._forward_hooks)
+    model.enable_input_require_grads()
+    once = len(embedding._forward_hooks)
+    model.enable_input_require_grads()
+    twice = len(embedding._forward_hooks)
+    assert once > before and twice == once + (once - before)  # transformers adds a hook per call, never replaces
+    replace_stale_input_grads_hooks(model)
+    for _ in range(5):
+        model.enable_input_require_grads()
+    assert len(embedding._forward_hooks) == twice  # each call replaced the hooks of the call before
+    assert embedding(torch.tensor([[1, 2]])).requires_grad  # and they still work
+    model.disable_input_require_grads()
+    assert len(embedding._forward_hooks) == twice - (once - before)

@@ -13,12 +13,22 @@ def test_valid_rewards_pass_through_with_name_and_signature():
     assert checked_reward_func(checked) is checked  # idempotent
 
 
-def test_raise_names_function_and_first_failing_row():
+def test_raise_names_function_its_line_and_the_first_failing_row_with_its_prompt():
     def picky(prompts, completions, **kwargs):
         return [float(c) for c in completions]
 
-    with pytest.raises(RewardFunctionError, match=r"'picky' raised ValueError.*on row 2 \(completion 'oops'\)"):
-        checked_reward_func(picky)(prompts=["a"] * 3, completions=["1", "2", "oops"])
+    with pytest.raises(RewardFunctionError) as raised:
+        checked_reward_func(picky)(prompts=["a", "b", [{"role": "user", "content": [{"type": "image"},
+                                                                                  {"type": "text", "text": "Why?"}]}]],
+                                   completions=["1", "2", "oops\nmore"])  # fmt: skip
+    line = picky.__code__.co_firstlineno + 1
+    assert str(raised.value) == (
+        f"Reward function 'picky' raised ValueError: could not convert string to float: 'oops\\nmore' "
+        f"(test_reward_checks.py line {line}) on row 2 of the batch (completion 'oops\\nmore'; prompt 'Why?'); fix "
+        "the function, or return None for rows it cannot score."
+    )
+    raised.value.origin = "data.jsonl line 7"  # what the trainer adds for a row read from a file
+    assert "(completion 'oops\\nmore'; prompt 'Why?'; data.jsonl line 7); fix" in str(raised.value)
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,7 @@ __all__ = [
     "MetricsJsonlCallback",
     "RewardPrinter",
     "RewardProgressBar",
+    "close_progress_bars",
     "completion_samples",
     "in_notebook",
     "keep_records_up_to",
@@ -285,6 +286,17 @@ class RewardProgressBar(ProgressCallback):
         """Put the training record's summary in the bar's postfix (main process only)."""
         if state.is_world_process_zero and self.training_bar is not None and logs and "reward" in logs:
             self.training_bar.set_postfix(reward_summary(logs, self.accuracy), refresh=True)
+
+
+def close_progress_bars(trainer: Any) -> None:
+    """Close the trainer's progress bars (transformers closes them only when training ends normally), so a line
+    printed after a run that stopped on an error is not followed by the bar tqdm redraws when it exits."""
+    for callback in trainer.callback_handler.callbacks:
+        for name in ("training_bar", "prediction_bar"):
+            bar = getattr(callback, name, None)
+            if bar is not None:
+                bar.close()
+                setattr(callback, name, None)
 
 
 class RewardPrinter(TrainerCallback):

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from .cli_args import PROG, TINY_PREFIX, ScriptArguments, UsageError, build_parser, parse_args, short_help
 from .cli_checks import check_args, check_clips_family, resolve_rewards, resume_checkpoint
-from .cli_stop import Stopped, stopped_line, stops_as
+from .cli_stop import Stopped, stopped_line, stopped_on_fault, stops_as
 from .demo import DEMO
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ def build_task(script: ScriptArguments, config: Any) -> Task:
             video_column=script.video_column,
             system_prompt=script.system_prompt, prompt_template=script.prompt_template, **rewards,
             check_images=config.check_images, skip_bad_rows=config.skip_bad_rows, stop_hint="--no_skip_bad_rows",
+            keep_origin=True,  # a reward that fails on a row names its line
         )  # fmt: skip
     except OSError as error:  # a missing file, or a Hub id that cannot be fetched
         raise UsageError(f"--dataset {script.dataset}: cannot load it ({type(error).__name__}: {error}).") from error
@@ -217,25 +218,30 @@ def _clear_earlier_run(output_dir: str) -> None:
 
 def _save_final(trainer: Any, processor: Any, final: str) -> None:
     """The trained model and its processor to `final`, written atomically by rank 0, with its model card (whose quick
-    start loads `final`; the card TRL keeps in --output_dir for checkpoints is pointed there too)."""
+    start loads `final`; the card TRL keeps in --output_dir for checkpoints is pointed there too); a failed write is
+    one line (`vlm_grpo.checkpoint_writes.CheckpointWriteError`)."""
     from .callbacks import library_bars_off
+    from .checkpoint_writes import final_write_error
     from .export import atomic_directory
 
     # A collective (sharded weights are gathered on every rank); rank 0 writes.
-    if trainer.accelerator.is_main_process:
-        card = os.path.join(trainer.args.output_dir, "README.md")
-        had_card = os.path.exists(card)
-        with atomic_directory(final) as tmp, library_bars_off():
-            trainer.save_model(tmp)
-            processor.save_pretrained(tmp)
-            name = os.path.basename(os.path.normpath(trainer.args.output_dir))  # as TRL names it
-            trainer.create_model_card(model_name=name, model_dir=final)
-            os.replace(card, os.path.join(tmp, "README.md"))
-        if had_card:  # checkpoints wrote one: it now names final/ as well
-            shutil.copyfile(os.path.join(final, "README.md"), card)
-    else:
-        with library_bars_off():
-            trainer.save_model(final)  # joins the gather; writes nothing off rank 0
+    try:
+        if trainer.accelerator.is_main_process:
+            card = os.path.join(trainer.args.output_dir, "README.md")
+            had_card = os.path.exists(card)
+            with atomic_directory(final) as tmp, library_bars_off():
+                trainer.save_model(tmp)
+                processor.save_pretrained(tmp)
+                name = os.path.basename(os.path.normpath(trainer.args.output_dir))  # as TRL names it
+                trainer.create_model_card(model_name=name, model_dir=final)
+                os.replace(card, os.path.join(tmp, "README.md"))
+            if had_card:  # checkpoints wrote one: it now names final/ as well
+                shutil.copyfile(os.path.join(final, "README.md"), card)
+        else:
+            with library_bars_off():
+                trainer.save_model(final)  # joins the gather; writes nothing off rank 0
+    except Exception as error:
+        raise final_write_error(error, final, trainer.args.output_dir, trainer.model) from error
     trainer.accelerator.wait_for_everyone()
 
 
@@ -244,7 +250,7 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     `after/…`; empty without a held-out set). Raises `UsageError` for bad arguments, before writing anything."""
     import torch
 
-    from .callbacks import library_bars_off
+    from .callbacks import close_progress_bars, library_bars_off
     from .evaluation import evaluate
     from .media.video_budget import VIDEO_SETTINGS
     from .reward_checks import reward_name
@@ -296,8 +302,11 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
         trainer = VLMGRPOTrainer(model=model, reward_funcs=task.reward_funcs, args=config, train_dataset=task.train,
                                  processing_class=processor, **tools)  # fmt: skip
     _show_progress(trainer, metrics_path, reward_name(task.accuracy))
-    with stops_as(trainer, config.output_dir, trained=False):  # Ctrl-C: main says where it stopped, in one line
-        trainer.train(resume_from_checkpoint=resume)
+    try:
+        with stops_as(trainer, config.output_dir, trained=False):  # Ctrl-C: main says where it stopped, in one line
+            trainer.train(resume_from_checkpoint=resume)
+    finally:  # a run stopped by an error says so in one line, after the bar
+        close_progress_bars(trainer)
     with stops_as(trainer, config.output_dir, trained=True):
         return _finish(script, config, task, trainer, processor, before, score)
 
@@ -336,9 +345,12 @@ def _finish(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point of `vlm-grpo`: the exit status (0 success, 1 non-finite accuracy or nothing to learn,
-    2 bad arguments, 130 stopped by Ctrl-C)."""
+    """Console entry point of `vlm-grpo`: the exit status (0 success, or stopped by SIGTERM with a checkpoint to
+    resume from; 1 a run that stopped on a fault it names (a reward function that failed, non-finite steps, a
+    checkpoint that could not be written, no reward signal), or non-finite accuracy; 2 bad arguments; 130 stopped by
+    Ctrl-C)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    config = None
     try:
         if "--help-all" in argv:
             build_parser().print_help()
@@ -346,20 +358,19 @@ def main(argv: list[str] | None = None) -> int:
         if "-h" in argv or "--help" in argv:
             print(short_help(), end="")
             return 0
-        results = run(*parse_args(argv))
+        script, config = parse_args(argv)
+        results = run(script, config)
     except UsageError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as interrupt:  # Ctrl-C: one line, and the shell's status for it (128 + SIGINT)
         print(f"{PROG}: {stopped_line(interrupt if isinstance(interrupt, Stopped) else None)}", file=sys.stderr)
         return 130
-    except RuntimeError as error:
-        from .dynamic_sampling import NoRewardVariance  # here, not above: --help must not import torch
-
-        if not isinstance(error, NoRewardVariance):
+    except Exception as error:
+        status = stopped_on_fault(error, argv, getattr(config, "output_dir", None))
+        if status is None:
             raise
-        print(f"{PROG}: error: {error}", file=sys.stderr)  # --dynamic_sampling found no reward signal at the start
-        return 1
+        return status
     if not all(math.isfinite(v) for k, v in results.items() if k.endswith("accuracy")):
         print(f"{PROG}: held-out accuracy is not a number: {results}", file=sys.stderr)
         return 1

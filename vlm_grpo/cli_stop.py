@@ -1,17 +1,24 @@
-"""Ctrl-C in the `vlm-grpo` command: where the run stopped, what it left and how to go on, in one line.
+"""How a `vlm-grpo` run that stops early ends: where it stopped, what it left and how to go on, in one line.
 
-`stops_as` turns a KeyboardInterrupt (SIGINT) during training, or after it, into `Stopped`, with the step reached;
-`main` prints `stopped_line` and exits with 130, the shell's status for SIGINT, instead of a ~60-line traceback.
+- Ctrl-C: `stops_as` turns a KeyboardInterrupt (SIGINT) during training, or after it, into `Stopped`, with the step
+  reached; `main` prints `stopped_line` and exits with 130, the shell's status for SIGINT, instead of a ~60-line
+  traceback.
+- SIGTERM (a preempted machine) and the faults a run names (a reward that failed, non-finite steps, a checkpoint that
+  could not be written, no reward signal): `stopped_on_fault` prints the line and gives the exit status (0 for a
+  preemption with a checkpoint to resume from, with `resume_command`; 1 for a fault).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["Stopped", "stopped_line", "stops_as"]
+__all__ = ["Stopped", "resume_command", "stopped_line", "stopped_on_fault", "stops_as"]
+
+_PROG = "vlm-grpo"
 
 
 class Stopped(KeyboardInterrupt):
@@ -56,3 +63,47 @@ def stopped_line(stopped: Stopped | None) -> str:
         return f"{where}; checkpoints: newest {checkpoint}; resume with the same command plus --resume_from_checkpoint."
     return (f"{where}; checkpoints: none (--save_strategy steps --save_steps N keeps them); start over with the "
             "same command plus --overwrite_output_dir.")  # fmt: skip
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command line that continues this run: `argv` with `--resume_from_checkpoint` (no value: the newest
+    complete checkpoint) instead of any checkpoint it named, and without `--overwrite_output_dir`."""
+    import shlex
+
+    kept, skip_value = [], False
+    for arg in argv:
+        if skip_value and not arg.startswith("--"):  # the checkpoint the first run was resumed from
+            skip_value = False
+            continue
+        skip_value = arg == "--resume_from_checkpoint"
+        if not (skip_value or arg.startswith(("--resume_from_checkpoint=", "--overwrite_output_dir"))):
+            kept.append(arg)
+    return shlex.join([_PROG, *kept, "--resume_from_checkpoint"])
+
+
+def stopped_on_fault(error: Exception, argv: list[str], output_dir: str | None) -> int | None:
+    """One line and the exit status for a run that stopped on purpose (0: preempted, resumable) or on a fault it
+    names (1); None for any other error, which is raised as it is."""
+    from .checkpoint_writes import CheckpointWriteError
+    from .checkpoints import newest_complete_checkpoint
+    from .dynamic_sampling import NoRewardVariance
+    from .nonfinite import NonFiniteTraining
+    from .preemption import TrainingPreempted
+    from .reward_checks import RewardFunctionError
+
+    if isinstance(error, TrainingPreempted):
+        if error.checkpoint is None:
+            print(f"{_PROG}: {error}; nothing to resume from after this run's start", file=sys.stderr, flush=True)
+            return 1
+        print(f"{_PROG}: {error}; resume with: {resume_command(argv)}", flush=True)
+        return 0
+    if isinstance(error, (NoRewardVariance, CheckpointWriteError)):  # each names what is left and how to go on
+        print(f"{_PROG}: error: {error}", file=sys.stderr, flush=True)
+        return 1
+    if not isinstance(error, (NonFiniteTraining, RewardFunctionError)):
+        return None
+    newest = newest_complete_checkpoint(output_dir) if output_dir else None
+    left = (f" The newest complete checkpoint, {newest}, is intact: fix this, then resume with "
+            "--resume_from_checkpoint." if newest else "")  # fmt: skip
+    print(f"{_PROG}: error: {error}{left}", file=sys.stderr, flush=True)
+    return 1

@@ -214,6 +214,13 @@ class VLMGRPOConfig(GRPOConfig):
                   "it is filled with zero-std groups (zero advantage; logged as dynamic_sampling/cap_hit)."},
     )  # fmt: skip
 
+    max_nonfinite_steps: int = field(
+        default=5,
+        metadata={"help": "A step whose loss or gradient norm is NaN / inf is skipped (its gradients never reach the "
+                  "weights or the optimizer; counted as nonfinite_steps in the logs), and the run stops once this "
+                  "many steps in a row were skipped (1: at the first). See vlm_grpo.nonfinite."},
+    )  # fmt: skip
+
     def __post_init__(self) -> None:
         if CHECKPOINTING_ARG == "activation_checkpointing":
             if self.activation_checkpointing is None and self.gradient_checkpointing is None:
@@ -242,6 +249,8 @@ class VLMGRPOConfig(GRPOConfig):
                 "fast_generation_importance_sampling=True applies TRL's vLLM importance sampling to the fast path, "
                 "but vllm_importance_sampling_correction=False turns it off: set it to True (TRL's default)."
             )
+        if self.max_nonfinite_steps < 1:
+            raise ValueError(f"max_nonfinite_steps must be >= 1, got {self.max_nonfinite_steps}.")
         super().__post_init__()
         self._check_dynamic_sampling()
 

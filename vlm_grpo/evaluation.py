@@ -13,8 +13,8 @@ from .media.pixel_budget import pixel_budget_for_call
 from .media.processing import holds_clips, process_prompts
 from .media.video_budget import video_budget_for_call
 from .modes import generating
-from .reward_checks import reward_name
-from .rows import add_image_sizes, check_dataset, dataset_row, prepare_row, row_images
+from .reward_checks import RewardFunctionError, checked_reward_func, reward_name
+from .rows import add_image_sizes, check_dataset, dataset_row, name_failing_row, prepare_row, row_images
 
 __all__ = ["evaluate", "pass_at_k", "sample_completions"]
 
@@ -127,7 +127,7 @@ def _check_funcs(reward_funcs: Callable | Sequence[Callable], allow_none: bool =
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if not funcs and not allow_none:
         raise ValueError("evaluate needs at least one reward function (the first decides correctness).")
-    return funcs
+    return [checked_reward_func(f) for f in funcs]  # a raise or a bad value named with its row, as in training
 
 
 def _scored_batches(model, processor, dataset, funcs, num_generations, max_new_tokens, temperature, batch_size,
@@ -175,7 +175,11 @@ def _batches(model, processor, dataset, funcs, num_generations, max_new_tokens, 
         # a reward reading `image` scores held-out rows as it scores training rows.
         columns = {k: [row.get(k) for row in expanded] for k in expanded[0] if k != "prompt"}
         prompts = [row["prompt"] for row in expanded]
-        scores = {reward_name(func): list(func(prompts=prompts, completions=completions, **columns)) for func in funcs}
+        try:
+            scores = {reward_name(f): list(f(prompts=prompts, completions=completions, **columns)) for f in funcs}
+        except RewardFunctionError as error:  # the row named by its file and line, where the dataset kept them
+            name_failing_row(error, [row for row in rows for _ in range(num_generations)])
+            raise
         yield completions, scores
 
 

@@ -12,6 +12,12 @@ The fix, registered by `enable_requires_grad_hooks`:
 - the vision tower's pixel input requires grad (its first block does too);
 - the model's output (`loss`, else `logits`) requires grad, so a loss built on it can always call
   `backward()` even when every trainable parameter sits behind a frozen path.
+
+transformers has a hook of its own for the first: `enable_input_require_grads`, which every
+`gradient_checkpointing_enable` calls. It registers a fresh hook at each call and forgets the ones before (it
+overwrites `_require_grads_hooks` without removing them), and TRL switches checkpointing off and on around every
+scoring pass: a run piled up one hook per step, each run by every forward (2 000 after 2 000 steps, found by
+`benchmarks/soak.py`). `replace_stale_input_grads_hooks` makes each call replace the hooks of the call before.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ __all__ = [
     "disable_requires_grad_hooks",
     "enable_requires_grad_hooks",
     "find_vision_tower",
+    "replace_stale_input_grads_hooks",
     "requires_grad_post_hook",
     "requires_grad_pre_hook",
 ]
@@ -126,3 +133,21 @@ def disable_requires_grad_hooks(model: nn.Module) -> int:
         handle.remove()
     object.__setattr__(model, _HANDLES_ATTR, [])
     return len(handles)
+
+
+def replace_stale_input_grads_hooks(model: nn.Module) -> None:
+    """Make transformers' `enable_input_require_grads`, on `model` and every transformers model inside it, remove the
+    hooks its previous call registered before registering new ones, so they never pile up (see the module's text)."""
+    from transformers import PreTrainedModel
+
+    for module in model.modules():
+        if not isinstance(module, PreTrainedModel) or "enable_input_require_grads" in vars(module):
+            continue
+        original = type(module).enable_input_require_grads
+
+        def enable(self: PreTrainedModel = module, original: Any = original) -> None:
+            for handle in getattr(self, "_require_grads_hooks", None) or []:
+                handle.remove()  # a no-op for one `disable_input_require_grads` already removed
+            original(self)
+
+        module.enable_input_require_grads = enable  # the instance's, so every caller (TRL, PEFT, transformers) gets it

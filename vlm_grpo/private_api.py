@@ -82,6 +82,10 @@ OVERRIDDEN: tuple[PrivateMethod, ...] = (
     PrivateMethod(_GRPO, "_compute_loss", ("model", "inputs"), "trainer: a batch's clips reach the log-probs"),
     PrivateMethod("transformers:Trainer", "_load_from_checkpoint", ("resume_from_checkpoint", "model"),
                   "trainer: full weights resumed under the model's names (checkpoints.load_full_weights)"),
+    PrivateMethod("transformers:Trainer", "_save_checkpoint", ("model", "trial"),
+                  "trainer: a failed write named, the incomplete checkpoint removed (checkpoint_writes)"),
+    PrivateMethod("transformers:Trainer", "_get_grad_norm", ("model", "grad_norm"),
+                  "trainer: the norm the non-finite guard checks before each optimizer step (nonfinite)"),
     PrivateMethod(_VLLM, "generate", ("prompts", "images", "num_generations", "profiler"),
                   "engine.vllm_rollouts: placeholder runs collapsed for vLLM, its expansion checked"),
     PrivateMethod(_VLLM, "sync_weights", (), "engine.vllm_rollouts: vLLM's encoder cache emptied after"),
@@ -117,7 +121,8 @@ TRAINER_ATTRIBUTES = (
     "generation_kwargs",
     "num_generations",  # dynamic_sampling: group size, reward weights, metrics, micro-step and dataset order
     "reward_weights",
-    "_metrics",
+    "reward_func_names",  # nonfinite: which reward's values overflow float32
+    "_metrics",  # nonfinite: the count of skipped steps in the training records
     "_step",
     "shuffle_dataset",
     "num_iterations",

@@ -1,6 +1,10 @@
 """Reward functions checked on every call: a raise, a wrong length or a NaN names the function and the row.
 
-TRL would otherwise surface these as a shape error or a NaN loss several frames away from the cause.
+TRL would otherwise surface these as a shape error or a NaN loss several frames away from the cause. The row is
+named by its completion, its prompt and, for rows read from a JSON Lines or CSV file, its line there: the loader keeps
+that in the `ROW_ORIGIN` column (`vlm_grpo.data.load_grpo_dataset(keep_origin=True)`, as the command does), which
+reward functions never see (`vlm_grpo.rows.dataset_row` leaves it out) and the trainer adds to the error
+(`RewardFunctionError.origin`).
 """
 
 from __future__ import annotations
@@ -8,14 +12,59 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
+import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RewardFunctionError", "checked_reward_func", "reward_name"]
+__all__ = ["ROW_ORIGIN", "RewardFunctionError", "checked_reward_func", "reward_name"]
+
+# Where a row came from ("data.jsonl line 7"), for messages that name it.
+ROW_ORIGIN = "_vlm_grpo_origin"
 
 
 class RewardFunctionError(RuntimeError):
-    """A reward function misbehaved; the message names it, the row, and what to fix."""
+    """A reward function misbehaved; the message names it, the row (its completion, prompt and, once the trainer set
+    `origin`, its file and line) and what to fix. `row` is the row's index in the batch (None: the whole batch)."""
+
+    def __init__(self, problem: str, fix: str, row: int | None = None, prompt: Any = None, completion: Any = None,
+                 preposition: str = "on") -> None:  # fmt: skip
+        super().__init__(problem)
+        self.problem, self.fix, self.row, self.prompt, self.completion = problem, fix, row, prompt, completion
+        self.preposition = preposition  # "raised ... on row 2", "returned nan for row 2"
+        self.origin: str | None = None
+
+    def __str__(self) -> str:
+        if self.row is None:
+            return f"{self.problem}; {self.fix}"
+        parts = [f"completion {_excerpt(_text(self.completion, 'assistant'))}",
+                 f"prompt {_excerpt(_text(self.prompt, 'user'))}"]  # fmt: skip
+        if self.origin:
+            parts.append(self.origin)
+        return f"{self.problem} {self.preposition} row {self.row} of the batch ({'; '.join(parts)}); {self.fix}"
+
+
+def _text(messages: Any, role: str) -> Any:
+    """The text of a prompt or completion: a string as it is, else the text parts of its last `role` message (images
+    left out)."""
+    if not isinstance(messages, list):
+        return messages
+    ours = [m for m in messages if isinstance(m, dict) and m.get("role") == role] or messages
+    content = ours[-1].get("content") if isinstance(ours[-1], dict) else ours[-1]
+    if isinstance(content, list):
+        return " ".join(p.get("text") or "" for p in content if isinstance(p, dict) and p.get("type") == "text").strip()
+    return content
+
+
+def _where_raised(func: Callable, error: BaseException) -> str:
+    """` (rewards.py line 12)`: the line of the reward's own file the error came through last ("" if unknown)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    try:
+        source = inspect.getsourcefile(inspect.unwrap(func))
+    except TypeError:  # a builtin or a callable object without source
+        source = None
+    own = [f for f in frames if source and os.path.abspath(f.filename) == os.path.abspath(source)] or frames[-1:]
+    return f" ({os.path.basename(own[-1].filename)} line {own[-1].lineno})" if own else ""
 
 
 def _excerpt(value: Any, limit: int = 120) -> str:
@@ -69,17 +118,22 @@ def checked_reward_func(func: Callable) -> Callable:
             values = func(prompts=prompts, completions=completions, **kwargs)
         except Exception as error:
             row = _find_failing_row(func, prompts, completions, kwargs)
-            where = f"on row {row} (completion {_excerpt(completions[row])})" if row is not None else "on this batch"
+            said = " ".join(str(error).split())  # one line, whatever the function's message holds
             raise RewardFunctionError(
-                f"Reward function {name!r} raised {type(error).__name__}: {error} {where}. Fix the function, or "
-                "return None for rows it cannot score."
+                f"Reward function {name!r} raised {type(error).__name__}: {said}{_where_raised(func, error)}"
+                + ("" if row is not None else " on this batch"),
+                "fix the function, or return None for rows it cannot score.",
+                row,
+                prompts[row] if row is not None else None,
+                completions[row] if row is not None else None,
             ) from error
         if values is None or not hasattr(values, "__len__") or len(values) != len(completions):
             sized = hasattr(values, "__len__")
             got = "None" if values is None else _count(len(values), "value") if sized else type(values).__name__
             raise RewardFunctionError(
-                f"Reward function {name!r} returned {got} for {_count(len(completions), 'completion')}; it must return "
-                "one float (or None) per completion, in order."
+                f"Reward function {name!r} returned {got} for {_count(len(completions), 'completion')} (the first "
+                f"prompt: {_excerpt(_text(prompts[0], 'user') if prompts else None)})",
+                "it must return one float (or None) per completion, in order.",
             )
         for row, value in enumerate(values):
             if value is None:
@@ -88,12 +142,21 @@ def checked_reward_func(func: Callable) -> Callable:
                 number = float(value)
             except (TypeError, ValueError):
                 raise RewardFunctionError(
-                    f"Reward function {name!r} returned {_excerpt(value)} for row {row}; rewards must be numbers or None."
+                    f"Reward function {name!r} returned {_excerpt(value)}",
+                    "rewards must be numbers or None.",
+                    row,
+                    prompts[row],
+                    completions[row],
+                    preposition="for",
                 ) from None
             if math.isnan(number) or math.isinf(number):
                 raise RewardFunctionError(
-                    f"Reward function {name!r} returned {number} for row {row} (completion "
-                    f"{_excerpt(completions[row])}); return a finite number, or None where the reward does not apply."
+                    f"Reward function {name!r} returned {number}",
+                    "return a finite number, or None where the reward does not apply.",
+                    row,
+                    prompts[row],
+                    completions[row],
+                    preposition="for",
                 )
         return values
 

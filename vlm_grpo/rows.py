@@ -40,6 +40,7 @@ from .media.columns import (
 from .media.pixel_budget import fed_size
 from .media.row_media import load_row_media
 from .prompts import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, count_blocks, count_placeholders, place_media, user_content
+from .reward_checks import ROW_ORIGIN, RewardFunctionError
 
 if TYPE_CHECKING:
     from .media.pixel_budget import PixelBudget
@@ -54,6 +55,7 @@ __all__ = [
     "count_image_placeholders",
     "dataset_row",
     "drop_unreadable_rows",
+    "name_failing_row",
     "prepare_row",
     "row_clips",
     "row_images",
@@ -296,12 +298,12 @@ def rows_for_rewards(
 
 
 def dataset_row(row: dict[str, Any]) -> dict[str, Any]:
-    """A `prepare_row` result with the dataset's own prompt, image and video columns back (and nothing internal):
-    images as loaded, clips as the dataset gave them."""
+    """A `prepare_row` result with the dataset's own prompt, image and video columns back (and nothing internal, the
+    row's origin included): images as loaded, clips as the dataset gave them."""
     source = row.get(_SOURCE)
     if source is None:
-        return row
-    row = {k: v for k, v in row.items() if k != _SOURCE}
+        return {k: v for k, v in row.items() if k != ROW_ORIGIN} if ROW_ORIGIN in row else row
+    row = {k: v for k, v in row.items() if k not in (_SOURCE, ROW_ORIGIN)}
     images = row_images(row)
     row.pop("images", None)
     row["prompt"] = source["prompt"]
@@ -312,6 +314,13 @@ def dataset_row(row: dict[str, Any]) -> dict[str, Any]:
     if "video_column" in source:
         row[source["video_column"]] = source["videos"]
     return row
+
+
+def name_failing_row(error: RewardFunctionError, inputs: list[dict[str, Any]]) -> RewardFunctionError:
+    """`error` with the failing row's origin ("data.jsonl line 7") set from the batch `inputs` it was raised for."""
+    if error.row is not None and 0 <= error.row < len(inputs):
+        error.origin = inputs[error.row].get(ROW_ORIGIN) or error.origin
+    return error
 
 
 def add_image_sizes(rows: list[dict[str, Any]], processor: Any) -> list[dict[str, Any]]:

@@ -6,13 +6,19 @@ its concern:
   (`vlm_grpo.trainer_inputs`); then the model's modes (`vlm_grpo.modes`: checkpointing as configured, requires-grad
   hooks so checkpointed vision LoRA trains), the blocked ids checked (`vlm_grpo.blocked_tokens`), a fresh adapter's KL
   reference without TRL's copy (`vlm_grpo.engine.adapters_off`), Qwen-VL vision towers attending in batched calls
-  (`vlm_grpo.engine.vision_attention`), one progress bar (`vlm_grpo.callbacks.RewardProgressBar`), checkpoints
-  following the umask (`vlm_grpo.files`). With `use_vllm`, vLLM's sampling settled before it loads
-  (`vlm_grpo.engine.vllm_sampling`) and TRL's vLLM generation given vLLM's placeholder form and checked
-  (`vlm_grpo.engine.vllm_rollouts`).
+  (`vlm_grpo.engine.vision_attention`), transformers' input-grads hook replaced rather than added to each time TRL
+  switches checkpointing on (`vlm_grpo.hooks`), one progress bar (`vlm_grpo.callbacks.RewardProgressBar`), checkpoints
+  following the umask (`vlm_grpo.files`), steps with a NaN / inf loss or gradient norm skipped
+  (`vlm_grpo.nonfinite`), SIGTERM turned into a checkpoint and a stop (`vlm_grpo.preemption`). With `use_vllm`, vLLM's
+  sampling settled before it loads (`vlm_grpo.engine.vllm_sampling`) and TRL's vLLM generation given vLLM's
+  placeholder form and checked (`vlm_grpo.engine.vllm_rollouts`).
 - `train`: refuses a TRL that cannot compute GRPO log-probs on this device (`vlm_grpo.compat`); `True` for
   `resume_from_checkpoint` is the newest *complete* checkpoint (`vlm_grpo.checkpoints`); dynamic sampling's prompt
-  stream restarted; the layers' training forward compiled for the run (`vlm_grpo.engine.compiled_layers`).
+  stream restarted; the layers' training forward compiled for the run (`vlm_grpo.engine.compiled_layers`); a run
+  stopped by SIGTERM raises `TrainingPreempted` naming its checkpoint (`vlm_grpo.preemption`).
+- `_save_checkpoint`: a write that fails (a full disk, the file-size limit) removes what it left incomplete and raises
+  one line naming the path and the need (`vlm_grpo.checkpoint_writes`).
+- `_get_grad_norm`: transformers' gradient norm, read by the non-finite guard before each optimizer step.
 - `save_model` / `_load_from_checkpoint`: the model written under FSDP with sharded checkpoints (transformers writes
   nothing there), without transformers' bar inside the training bar; full weights resumed under the model's own names
   (`vlm_grpo.checkpoints.load_full_weights`).
@@ -28,11 +34,12 @@ its concern:
 - `_generate_single_turn`: inference mode while generating (`vlm_grpo.modes`); completions from the fast generator
   unless it cannot serve the call (`vlm_grpo.generation_route`: TRL's `model.generate`, the reason logged once).
 - `_calculate_rewards`: rows reach the rewards in the dataset's own format (`vlm_grpo.rows.rows_for_rewards`); the
-  rewards kept for dynamic sampling's filter.
+  rewards kept for dynamic sampling's filter; a failing reward's row named by its file and line where known.
 - `_get_per_token_logps_and_entropies`: the sampler's blocked ids out of the scored softmax, for the policy and the
   reference (`vlm_grpo.blocked_tokens`); each group's prompt and images computed once where the shared-prefix path
   serves (`vlm_grpo.scoring_route`), else TRL's per-row forward, with a batch's clips.
-- `_compute_loss`: a batch's clips reach the log-probs; the gap between the loss's and the sampler's log-probs logged.
+- `_compute_loss`: a batch's clips reach the log-probs; the gap between the loss's and the sampler's log-probs logged;
+  the loss read by the non-finite guard.
 Everything else (losses, GSPO, vLLM, logging, checkpointing) is TRL's own. The private TRL names touched here are
 listed, with the signatures they were tested with, in `vlm_grpo.private_api`.
 """
@@ -40,14 +47,17 @@ listed, with the signatures they were tested with, in `vlm_grpo.private_api`.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import torch
 from transformers import ProgressCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 
 from .blocked_tokens import check_blocking_settings, scoring_as_sampled, suppress_token
 from .callbacks import RewardProgressBar, library_bars_off
+from .checkpoint_writes import writing_checkpoint
 from .checkpoints import load_full_weights, newest_complete_checkpoint
 from .compat import check_trl_device_support, is_checkpointing, quiet_third_party_checkpointing_deprecations
 from .config import VLMGRPOConfig
@@ -62,13 +72,16 @@ from .engine.vllm_sampling import vllm_sampling
 from .families import core_model, find_family
 from .files import CheckpointModesCallback
 from .generation_route import fast_generate, make_generator, prepare_generation_copy, uses_generation_copy
-from .hooks import enable_requires_grad_hooks
+from .hooks import enable_requires_grad_hooks, replace_stale_input_grads_hooks
 from .integrations.unsloth import maybe_patch_for_model
 from .media.processing import VISION_ROWS, holds_clips, tokenize_clip_prompts, tokenize_distinct
 from .model_card import complete_model_card
 from .modes import apply_configured_checkpointing, checkpointing_off, generating
+from .nonfinite import NonFiniteGuard
+from .preemption import PreemptionCallback
 from .private_api import merged_generation_config
-from .rows import add_image_sizes, prepare_row, rows_for_rewards
+from .reward_checks import RewardFunctionError
+from .rows import add_image_sizes, name_failing_row, prepare_row, rows_for_rewards
 from .sampler_logprobs import (
     log_batch_gap,
     log_masked_sequences,
@@ -154,12 +167,17 @@ class VLMGRPOTrainer(GRPOTrainer):
             unwrapped.set_adapter("default")
         if is_checkpointing(unwrapped):
             enable_requires_grad_hooks(unwrapped)
+        replace_stale_input_grads_hooks(unwrapped)  # TRL re-enables checkpointing every step: one hook, not one a step
         maybe_patch_for_model(unwrapped)  # no-op unless the model came from Unsloth
         if getattr(args, "packed_vision_attention", True):
             pack_vision_attention(unwrapped)
         if self.pop_callback(ProgressCallback) is not None:  # its bar, without a printed dict per log record
             self.add_callback(RewardProgressBar())
         self.add_callback(CheckpointModesCallback())
+        self.nonfinite_guard = NonFiniteGuard(self)  # NaN / inf steps skipped, counted, the run stopped after a few
+        self.add_callback(self.nonfinite_guard)
+        self.preemption = PreemptionCallback()  # SIGTERM: a checkpoint and a stop at the end of the step
+        self.add_callback(self.preemption)
         self.fast_generator = make_generator(self)
         self.generation_copy = GenerationCopy()  # under FSDP2, what the fast generator decodes from (`train`)
         self._fast_generation_fallbacks: set[str] = set()
@@ -207,9 +225,11 @@ class VLMGRPOTrainer(GRPOTrainer):
         self._compile_layers()  # for this run only: afterwards the model's own forwards, for whatever uses it next
         self.compile_cache.load(resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None)
         try:
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+            output = super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             self.compiled_layers.detach()
+        self.preemption.raise_if_stopped(self.args.output_dir, self.state.global_step)
+        return output
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """`Trainer.save_model`, which also writes the model under FSDP with sharded checkpoints.
@@ -226,6 +246,15 @@ class VLMGRPOTrainer(GRPOTrainer):
         self._save(output_dir or self.args.output_dir, state_dict=self.accelerator.get_state_dict(self.model))
         if self.args.push_to_hub:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        checkpoint = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        with writing_checkpoint(checkpoint, self.args.output_dir, unwrapped, writes=self.args.should_save):
+            super()._save_checkpoint(model, trial)
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        return self.nonfinite_guard.note_grad_norm(super()._get_grad_norm(model, grad_norm=grad_norm))
 
     def create_model_card(
         self, model_name: str | None = None, dataset_name: str | None = None, tags: Any = None, model_dir: Any = None
@@ -279,6 +308,8 @@ class VLMGRPOTrainer(GRPOTrainer):
         finally:
             self._vision_rows, scored, self._scored_logps = None, self._scored_logps, None
         log_batch_gap(self, inputs, scored[0] if scored else None)
+        if model.training:  # evaluation's losses train nothing
+            self.nonfinite_guard.note_loss(loss)
         return loss
 
     def _tokenize_prompts(self, prompts: list):
@@ -316,8 +347,12 @@ class VLMGRPOTrainer(GRPOTrainer):
         def decode(ids: list[list[int]]) -> list[str]:
             return self.processing_class.batch_decode(ids, skip_special_tokens=True)
 
-        inputs, prompts, completions = rows_for_rewards(inputs, prompts, completions, completion_ids_list, decode)
-        self._last_rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        rows, prompts, completions = rows_for_rewards(inputs, prompts, completions, completion_ids_list, decode)
+        try:
+            self._last_rewards_per_func = super()._calculate_rewards(rows, prompts, completions, completion_ids_list)
+        except RewardFunctionError as error:  # the row named by its file and line, where the dataset kept them
+            name_failing_row(error, inputs)
+            raise
         return self._last_rewards_per_func
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):

@@ -28,6 +28,7 @@ from ..media.columns import IMAGE_COLUMNS, VIDEO_COLUMNS
 from ..media.columns import image_column as prompt_image_column
 from ..media.columns import video_column as prompt_video_column
 from ..prompts import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, apply_template, user_content, with_system
+from ..reward_checks import ROW_ORIGIN
 from .sources import DatasetError, load_source, load_split
 
 __all__ = ["DatasetError", "DatasetRows", "load_dataset_rows", "load_grpo_dataset", "load_split", "to_grpo_rows"]
@@ -199,6 +200,7 @@ def load_grpo_dataset(
     check_images: bool = True,
     skip_bad_rows: bool = True,
     stop_hint: str = "skip_bad_rows=False",
+    keep_origin: bool = False,
     **columns: Any,
 ) -> tuple[Any, Any | None]:
     """`(train, test)` GRPO datasets from `source`: `eval_split`, else `test_size` rows held out (a fraction < 1 or a
@@ -207,10 +209,12 @@ def load_grpo_dataset(
 
     Rows whose images or clips are missing or unreadable are skipped before the split, named by their line in a JSON
     Lines or CSV file (`vlm_grpo.rows.drop_unreadable_rows`: `check_images` decodes every image, else only files'
-    existence is checked; `skip_bad_rows=False` raises instead; `stop_hint` is how the messages say to do that)."""
+    existence is checked; `skip_bad_rows=False` raises instead; `stop_hint` is how the messages say to do that).
+    `keep_origin` keeps each row's line of such a file ("data.jsonl line 7") in a `vlm_grpo.reward_checks.ROW_ORIGIN`
+    column, so a reward that fails on a row names its line; reward functions never see that column."""
     loaded = load_dataset_rows(source, split, name=name, eval_split=eval_split, test_size=test_size, seed=seed,
                                check_images=check_images, skip_bad_rows=skip_bad_rows, stop_hint=stop_hint,
-                               **columns)  # fmt: skip
+                               keep_origin=keep_origin, **columns)  # fmt: skip
     return loaded.train, loaded.test
 
 
@@ -225,11 +229,13 @@ def load_dataset_rows(
     check_images: bool = True,
     skip_bad_rows: bool = True,
     stop_hint: str = "skip_bad_rows=False",
+    keep_origin: bool = False,
     **columns: Any,
 ) -> DatasetRows:
     """`load_grpo_dataset`, with the columns of yours each role came from (`DatasetRows`)."""
     media = {"image_column": columns.get("image_column"), "video_column": columns.get("video_column")}
-    bad_rows = {"decode": check_images, "skip_bad_rows": skip_bad_rows, "stop_hint": stop_hint}
+    bad_rows = {"decode": check_images, "skip_bad_rows": skip_bad_rows, "stop_hint": stop_hint,
+                "keep_origin": keep_origin}  # fmt: skip
     train, image, found = _checked_split(source, split, name, media, bad_rows)
     # The held-out split's images are in the column the training split's are: found once, named for the second.
     media["image_column"] = image
@@ -268,6 +274,9 @@ def _checked_split(
 
     loaded = load_source(source, split, name, media["image_column"], media["video_column"])
     dataset, row_names, column = loaded.dataset, loaded.row_names, loaded.image_column
+    bad_rows = dict(bad_rows)
+    if bad_rows.pop("keep_origin", False) and row_names is not None:  # before rows are dropped: it goes with its row
+        dataset = dataset.add_column(ROW_ORIGIN, [f"{source} {row}" for row in row_names])
     present = dataset.column_names
     try:
         prompt_image_column(present)
