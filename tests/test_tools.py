@@ -251,7 +251,8 @@ def _forced_replies(tokenizer, family: str, first: str, answer: bool = True) -> 
     (`_row`): after the tool the model writes what it will."""
     bias, prompt = [], _generation_prompt(family)
     if not answer:
-        return {"sequence_bias": _bias(tokenizer, "colour?<|im_end|>\n" + prompt, first)}
+        # "?<|im_end|>": the same tokens alone as after the question (a word's first token differs after a space).
+        return {"sequence_bias": _bias(tokenizer, "?<|im_end|>\n" + prompt, first)}
     replies = [(prompt, first), ("</tool_response><|im_end|>\n" + prompt, "red<|im_end|>")]
     for context, reply in replies:
         bias += _bias(tokenizer, context, reply)
