@@ -1,4 +1,5 @@
-"""The tool warm start (`vlm_grpo.tools.warm_start`) and held-out evaluation with tools (`evaluate_with_tools`).
+"""The tool warm start (`vlm_grpo.tools.warm_start`), held-out evaluation with tools (`evaluate_with_tools`), the
+command's `--warm_start`, and the learning check: on the zoom task a tiny model taught to zoom beats one that cannot.
 
 Everything runs for real: tiny Qwen3-VL models built in code, their tokenizer and processor, PIL images, the image
 tools, TRL's tool loop through `VLMGRPOTrainer`. Where a random model must write a given reply (the rollout compared
@@ -10,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vlm_grpo.cli import main
 from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
 from vlm_grpo.evaluation import evaluate_with_tools
 from vlm_grpo.media.pixel_budget import pixel_budget_for_call
@@ -143,10 +145,35 @@ def test_evaluation_with_tools_rolls_out_through_the_tool_loop(tiny_dir, tmp_pat
     rows = zoom_rows.select(range(6))
     sampling = trainer.generation_config.do_sample
     metrics = evaluate_with_tools(trainer, rows, task.eval_funcs, batch_size=4)
-    assert metrics["tools/call_frequency"] == 1.0
+    assert metrics["tools/call_frequency"] == 1.0 and metrics["tools/failure_frequency"] == 0.0
     assert metrics["accuracy"] == pytest.approx(sum(a == "circle" for a in rows["answer"]) / 6)
     assert trainer.generation_config.do_sample == sampling and trainer.model.training  # given back
+    # A box reaching outside the image: TRL answers with the tool's error, counted as a failed call.
+    outside = call.replace('"x2": 32', '"x2": 300')
+    trainer.generation_config.sequence_bias = _forcing(
+        ids(".<|im_end|>\n<|im_start|>assistant\n"), ids(outside + "<|im_end|>")
+    )
+    metrics = evaluate_with_tools(trainer, rows.select(range(2)), task.eval_funcs)
+    assert metrics["tools/call_frequency"] == 1.0 and metrics["tools/failure_frequency"] == 1.0
     with pytest.raises(ValueError, match="needs a trainer given tools or an environment_factory; use evaluate"):
         plain = VLMGRPOTrainer(model, task.reward_funcs, args=_config(tmp_path), train_dataset=zoom_rows,
                                processing_class=processor)  # fmt: skip
         evaluate_with_tools(plain, rows, task.eval_funcs)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--warm_start", "-1"], "--warm_start is a number of steps >= 0, got -1"),
+        (["--warm_start", "4", "--task", "motion"], "--warm_start makes traces of image rows, not clips"),
+        (["--warm_start", "4", "--tools", "zoom", "--max_completion_length", "256"], "only --task zoom's rows locate"),
+        (["--warm_start", "4", "--tools", "crop", "--task", "zoom", "--max_completion_length", "256"],
+         "--warm_start with --tools calls zoom: add it"),
+    ],
+)  # fmt: skip
+def test_a_bad_warm_start_is_one_line_and_exit_status_2(tmp_path, capsys, args, message):
+    out = tmp_path / "run"
+    assert main(["--output_dir", str(out), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("vlm-grpo: error:") and message in err and "\n" not in err, err
+    assert not out.exists()

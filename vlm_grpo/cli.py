@@ -154,6 +154,32 @@ def _load(script: ScriptArguments, config: Any, words: list[str] | None) -> tupl
     return model, processor
 
 
+_ONE_TURN = "  (one turn, without tools)"
+
+
+def _warm_start(script: ScriptArguments, config: Any, model: Any, processor: Any, task: Task, tools: Any) -> None:
+    """`--warm_start`: supervised steps on traces of the training rows (`vlm_grpo.tools.warm_start`), one line said."""
+    from .tools.warm_start import tool_warm_start
+
+    done = tool_warm_start(model, processor, task.train, script.warm_start, tools, min_pixels=config.min_pixels,
+                           max_pixels=config.max_pixels, seed=config.seed)  # fmt: skip
+    what = "look, call zoom on the mark, answer" if tools else "look, answer"
+    print(f"warm start: {done.steps} supervised steps on {done.traces} traces ({what}), loss on the model's tokens "
+          f"{done.first_loss:.3f} -> {done.last_loss:.3f}", flush=True)  # fmt: skip
+
+
+def _with_tools(trainer: Any, task: Task, when: str, seed: int) -> dict[str, float]:
+    """Held-out accuracy with the tools, multi-turn, as the rollouts run (`evaluate_with_tools`), printed; its
+    metrics under `with_tools/`."""
+    from .evaluation import evaluate_with_tools
+
+    metrics = evaluate_with_tools(trainer, task.test, task.eval_funcs, seed=seed)
+    print(f"held-out accuracy {when}, with tools: {metrics['accuracy']:.3f}  (multi-turn, as the rollouts run; "
+          f"{metrics['tools/call_frequency']:.2f} tool calls per rollout, {metrics['tools/failure_frequency']:.0%} of "
+          "them refused)", flush=True)  # fmt: skip
+    return {f"with_tools/{k}": v for k, v in metrics.items()}
+
+
 def _show_progress(trainer: Any, metrics_path: str, accuracy: str) -> None:
     """One progress bar with the reward in its postfix instead of transformers' dict per log (`--disable_tqdm true`:
     one short line per logging step); every record, with sample completions, goes to metrics.jsonl."""
@@ -238,6 +264,14 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
                 _clear_earlier_run(config.output_dir)
 
     model, processor = _load(script, config, task.answer_words)
+    tools = {}
+    if script.tools:  # one environment per rollout, over its row's image (vlm_grpo.tools)
+        from .tools import image_tools
+
+        tools["environment_factory"] = image_tools(script.tools)
+    # Before the trainer, whose KL reference is the model it is given; on a resumed run too, for the same reference.
+    if script.warm_start:
+        _warm_start(script, config, model, processor, task, tools.get("environment_factory"))
     # Greedy decoding for accuracy: what a user of the trained model gets; the task's accuracy reward decides it.
     score = {"max_new_tokens": script.eval_max_new_tokens or config.max_completion_length,
              "min_pixels": config.min_pixels, "max_pixels": config.max_pixels,
@@ -246,21 +280,16 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     if task.test is not None:
         before = evaluate(model, processor, task.test, task.eval_funcs, **score)
         print(f"held-out accuracy before training: {before['accuracy']:.3f}  ({task.name}, {len(task.test)} prompts)"
-              f"{_chance(task)}", flush=True)  # fmt: skip
-        if script.tools:
-            print("held-out accuracy is measured in one turn, without tools (the rollouts use them)", flush=True)
+              f"{_chance(task)}{_ONE_TURN if script.tools else ''}", flush=True)  # fmt: skip
 
     metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
-    tools = {}
-    if script.tools:  # one environment per rollout, over its row's image (vlm_grpo.tools)
-        from .tools import image_tools
-
-        tools["environment_factory"] = image_tools(script.tools)
     # TRL's notice that `environment_factory` is experimental is for authors of environments, not for this command.
     with library_bars_off(), warnings.catch_warnings():  # TRL loads the KL reference model again: a second bar
         warnings.filterwarnings("ignore", "You are using 'environment_factory'", UserWarning)
         trainer = VLMGRPOTrainer(model=model, reward_funcs=task.reward_funcs, args=config, train_dataset=task.train,
                                  processing_class=processor, **tools)  # fmt: skip
+    if task.test is not None and script.tools:
+        before |= _with_tools(trainer, task, "before training", config.seed)
     _show_progress(trainer, metrics_path, reward_name(task.accuracy))
     trainer.train(resume_from_checkpoint=resume)
     # Saved before the held-out evaluation, so a failure there cannot lose it.
@@ -271,7 +300,11 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
         with full_weights(trainer.model_wrapped):  # a sharded model gathered once, not per layer per token
             after = evaluate(trainer.model, processor, task.test, task.eval_funcs, **score)
         chance = "" if task.chance is None else f"  chance {task.chance:.3f}"
-        print(f"held-out accuracy after training:  {after['accuracy']:.3f}{chance}", flush=True)
+        print(f"held-out accuracy after training:  {after['accuracy']:.3f}{chance}{_ONE_TURN if script.tools else ''}",
+              flush=True)  # fmt: skip
+        if script.tools:
+            with full_weights(trainer.model_wrapped):
+                after |= _with_tools(trainer, task, "after training", config.seed)
         results = {f"before/{k}": v for k, v in before.items()} | {f"after/{k}": v for k, v in after.items()}
     if not trainer.accelerator.is_main_process:
         return results

@@ -120,7 +120,8 @@ def evaluate_with_tools(
         seed: the random stream for the call (the trainer's and the GPU's given back as they were).
 
     Returns:
-        `{"accuracy", "mean_reward", "reward/<name>", "tools/call_frequency"}`: the last, tool calls per rollout.
+        `{"accuracy", "mean_reward", "reward/<name>", "tools/call_frequency", "tools/failure_frequency"}`: tool calls
+        per rollout, and the share of them the tools refused, as TRL's training metrics count them.
     """
     funcs = _check_funcs(reward_funcs)
     if not (trainer.tools or trainer.environment_factories):
@@ -129,7 +130,7 @@ def evaluate_with_tools(
         raise ValueError("batch_size must be at least 1.")
     dataset, _ = check_dataset(dataset, "dataset", check_images=False)
     rewards: dict[str, list[float]] = {reward_name(f): [] for f in funcs}
-    calls = 0
+    calls = failures = 0
     saved = trainer.generation_config, trainer.num_generations_eval
     greedy = copy.deepcopy(trainer.generation_config)
     greedy.do_sample, greedy.temperature, greedy.top_p, greedy.top_k, greedy.min_p = False, None, None, None, None
@@ -147,7 +148,12 @@ def evaluate_with_tools(
                 for func in funcs:
                     scores = func(prompts=prompts, completions=completions, **columns)
                     rewards[reward_name(func)].extend(float("nan") if v is None else float(v) for v in scores)
-                calls += sum(len(m.get("tool_calls") or []) for c in completions if isinstance(c, list) for m in c)
+                messages = [m for c in completions if isinstance(c, list) for m in c]
+                calls += sum(len(m.get("tool_calls") or []) for m in messages)
+                # TRL answers a call that failed (a refused box, an unknown tool) with `{'error': ...}` as text.
+                failures += sum(
+                    m.get("role") == "tool" and str(m.get("content")).startswith("{'error'") for m in messages
+                )
     finally:
         trainer.generation_config, trainer.num_generations_eval = saved
         trainer._metrics["eval"].clear()  # TRL's eval-mode metrics of these rollouts: not the training run's
@@ -156,6 +162,7 @@ def evaluate_with_tools(
     result["mean_reward"] = sum(result[f"reward/{reward_name(f)}"] for f in funcs) / len(funcs)
     result["accuracy"] = sum(1 for v in first if v >= correct_threshold) / len(first)
     result["tools/call_frequency"] = calls / len(first)
+    result["tools/failure_frequency"] = failures / calls if calls else 0.0
     return result
 
 
