@@ -90,6 +90,8 @@ def test_every_task_builds_with_schema(task: str, difficulty: int) -> None:
     expected = {"prompt", media, "answer"}
     if task == "locate":
         expected |= {"bbox", "image_size"}
+    if task == "zoom":
+        expected |= {"bbox"}  # the mark's box: a demonstrated zoom (vlm_grpo.tools.warm_start) aims at it
     assert set(ds.column_names) == expected
     feature = ds.features[media]
     assert isinstance(feature.feature if task in VIDEO_TASKS else feature, ImageFeature)
@@ -305,3 +307,7 @@ def test_zoom_task_is_a_small_mark_of_each_kind_on_a_large_canvas(difficulty: in
     # At a 112 x 112 budget (tiny Qwen2.5-VL's) the prompt's image keeps 1 pixel in 16: the mark is 2-3 px wide.
     fitted = [_mark_widths(row["image"].resize((112, 112), Image.Resampling.BICUBIC)) for row in ds]
     assert max(fitted) <= 4
+    for row in ds:  # `bbox` is the mark's box: every pixel off the background inside it
+        x1, y1, x2, y2 = map(int, row["bbox"])
+        off = np.abs(_pixels(row["image"]).astype(int) - BACKGROUND).sum(-1) > 24
+        assert off[y1:y2, x1:x2].sum() == off.sum() > 0

@@ -138,3 +138,28 @@ def test_sampled_completions_of_one_prompt_differ(tiny_dir, family):
     out = model.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=True, num_return_sequences=4)
     completions = {tuple(row) for row in out[:, inputs["input_ids"].shape[1] :].tolist()}
     assert len(completions) >= 3
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
+def test_a_tool_build_reads_its_tools_schemas_in_few_tokens(tiny_dir, family):
+    """`tools=True` learns the pieces of a tool conversation (Qwen's tool boilerplate, the image tools' schemas, a
+    call's JSON) as tokens: a zoom prompt is under 400 tokens instead of about 700 bytes-as-tokens, decoded exactly."""
+    import doctest
+
+    from vlm_grpo.tiny import tokenizer
+    from vlm_grpo.tools import image_tools
+    from vlm_grpo.tools.templates import prepare_tool_template
+
+    assert doctest.testmod(tokenizer).failed == 0
+    model, processor = FastVisionModel.from_pretrained(tiny_dir(family, tools=True))
+    environment = image_tools("zoom")
+    prepare_tool_template(processor, model, {"environment_factory": environment})
+    question = [{"role": "user", "content": [{"type": "text", "text": "What shape is the small mark?"}]}]
+    text = processor.apply_chat_template(question, tools=[environment().zoom], add_generation_prompt=True,
+                                         tokenize=False)  # fmt: skip
+    ids = processor.tokenizer(text)["input_ids"]
+    assert len(ids) < 400 and processor.tokenizer.decode(ids) == text
+    call = (
+        '<tool_call>\n{"name": "zoom", "arguments": {"x1": 16, "y1": 0, "x2": 48, "y2": 32, "factor": 4}}\n</tool_call>'
+    )
+    assert len(processor.tokenizer(call)["input_ids"]) < 55  # 74 without the pieces

@@ -251,7 +251,8 @@ def _forced_replies(tokenizer, family: str, first: str, answer: bool = True) -> 
     (`_row`): after the tool the model writes what it will."""
     bias, prompt = [], _generation_prompt(family)
     if not answer:
-        return {"sequence_bias": _bias(tokenizer, "colour?<|im_end|>\n" + prompt, first)}
+        # "?<|im_end|>": the same tokens alone as after the question (a word's first token differs after a space).
+        return {"sequence_bias": _bias(tokenizer, "?<|im_end|>\n" + prompt, first)}
     replies = [(prompt, first), ("</tool_response><|im_end|>\n" + prompt, "red<|im_end|>")]
     for context, reply in replies:
         bias += _bias(tokenizer, context, reply)
@@ -533,16 +534,19 @@ def test_a_tool_turn_the_fast_path_cannot_serve_falls_back_without_a_sampler_log
 @pytest.mark.trains
 def test_the_zoom_task_with_image_tools_runs_from_the_command_line(tmp_path, capsys):
     """`vlm-grpo --task zoom --tools zoom`: the tiny model built with a tool tokenizer, one ImageTools per rollout, the
-    tool counts logged, accuracy said to be measured without tools. (A random tiny model writes no calls; the tool
-    loop itself is exercised by the forced-call runs above.)"""
+    tool counts logged, accuracy measured in one turn without tools and multi-turn with them, both in eval.json. (A
+    random tiny model writes no calls; the tool loop itself is exercised by the forced-call runs above.)"""
     out = tmp_path / "run"
     args = ["--task", "zoom", "--tools", "zoom", "--max_completion_length", "160", "--max_steps", "2",
             "--per_device_train_batch_size", "4", "--num_generations", "2", "--train_size", "8", "--test_size", "2",
             "--logging_steps", "1", "--output_dir", str(out)]  # fmt: skip
     assert main(args) == 0
     printed = capsys.readouterr()
-    assert "measured in one turn, without tools" in printed.out and "environment_factory" not in printed.err
+    assert "(one turn, without tools)" in printed.out and "environment_factory" not in printed.err
+    assert "held-out accuracy after training, with tools:" in printed.out  # multi-turn, as the rollouts run
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     step = next(r for r in records if "tools/call_frequency" in r)
     assert {"tools/failure_frequency", MALFORMED_METRIC} <= set(step)
     assert "<tool_call>" in (out / "final" / "chat_template.jinja").read_text()  # the tool template, saved
+    results = json.loads((out / "eval.json").read_text())
+    assert {"before/accuracy", "after/with_tools/accuracy", "after/with_tools/tools/call_frequency"} <= set(results)

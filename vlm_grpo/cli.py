@@ -21,7 +21,6 @@ and their checks are `vlm_grpo.cli_args`, what to train on is a `vlm_grpo.task.T
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import shutil
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from .cli_args import PROG, TINY_PREFIX, ScriptArguments, UsageError, build_parser, parse_args, short_help
 from .cli_checks import check_args, check_clips_family, resolve_rewards, resume_checkpoint
+from .cli_finish import ONE_TURN, finish, with_tools
 from .cli_stop import Stopped, stopped_line, stopped_on_fault, stops_as
 from .demo import DEMO
 
@@ -170,6 +170,17 @@ def _load(script: ScriptArguments, config: Any, words: list[str] | None) -> tupl
     return model, processor
 
 
+def _warm_start(script: ScriptArguments, config: Any, model: Any, processor: Any, task: Task, tools: Any) -> None:
+    """`--warm_start`: supervised steps on traces of the training rows (`vlm_grpo.tools.warm_start`), one line said."""
+    from .tools.warm_start import tool_warm_start
+
+    done = tool_warm_start(model, processor, task.train, script.warm_start, tools, min_pixels=config.min_pixels,
+                           max_pixels=config.max_pixels, seed=config.seed)  # fmt: skip
+    what = "look, call zoom on the mark, answer" if tools else "look, answer"
+    print(f"warm start: {done.steps} supervised steps on {done.traces} traces ({what}), loss on the model's tokens "
+          f"{done.first_loss:.3f} -> {done.last_loss:.3f}", flush=True)  # fmt: skip
+
+
 def _show_progress(trainer: Any, metrics_path: str, accuracy: str) -> None:
     """One progress bar with the reward in its postfix instead of transformers' dict per log (`--disable_tqdm true`:
     one short line per logging step); every record, with sample completions, goes to metrics.jsonl."""
@@ -216,35 +227,6 @@ def _clear_earlier_run(output_dir: str) -> None:
               f"from {output_dir}", flush=True)  # fmt: skip
 
 
-def _save_final(trainer: Any, processor: Any, final: str) -> None:
-    """The trained model and its processor to `final`, written atomically by rank 0, with its model card (whose quick
-    start loads `final`; the card TRL keeps in --output_dir for checkpoints is pointed there too); a failed write is
-    one line (`vlm_grpo.checkpoint_writes.CheckpointWriteError`)."""
-    from .callbacks import library_bars_off
-    from .checkpoint_writes import final_write_error
-    from .export import atomic_directory
-
-    # A collective (sharded weights are gathered on every rank); rank 0 writes.
-    try:
-        if trainer.accelerator.is_main_process:
-            card = os.path.join(trainer.args.output_dir, "README.md")
-            had_card = os.path.exists(card)
-            with atomic_directory(final) as tmp, library_bars_off():
-                trainer.save_model(tmp)
-                processor.save_pretrained(tmp)
-                name = os.path.basename(os.path.normpath(trainer.args.output_dir))  # as TRL names it
-                trainer.create_model_card(model_name=name, model_dir=final)
-                os.replace(card, os.path.join(tmp, "README.md"))
-            if had_card:  # checkpoints wrote one: it now names final/ as well
-                shutil.copyfile(os.path.join(final, "README.md"), card)
-        else:
-            with library_bars_off():
-                trainer.save_model(final)  # joins the gather; writes nothing off rank 0
-    except Exception as error:
-        raise final_write_error(error, final, trainer.args.output_dir, trainer.model) from error
-    trainer.accelerator.wait_for_everyone()
-
-
 def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     """Train on the synthetic task or `script.dataset`; return held-out metrics before and after (`before/…`,
     `after/…`; empty without a held-out set). Raises `UsageError` for bad arguments, before writing anything."""
@@ -274,6 +256,14 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
                 _clear_earlier_run(config.output_dir)
 
     model, processor = _load(script, config, task.answer_words)
+    tools = {}
+    if script.tools:  # one environment per rollout, over its row's image (vlm_grpo.tools)
+        from .tools import image_tools
+
+        tools["environment_factory"] = image_tools(script.tools)
+    # Before the trainer, whose KL reference is the model it is given; on a resumed run too, for the same reference.
+    if script.warm_start:
+        _warm_start(script, config, model, processor, task, tools.get("environment_factory"))
     # Greedy decoding for accuracy: what a user of the trained model gets; the task's accuracy reward decides it.
     score = {"max_new_tokens": script.eval_max_new_tokens or config.max_completion_length,
              "min_pixels": config.min_pixels, "max_pixels": config.max_pixels,
@@ -282,25 +272,20 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     if task.test is not None:
         before = evaluate(model, processor, task.test, task.eval_funcs, **score)
         print(f"held-out accuracy before training: {before['accuracy']:.3f}  ({task.name}, {len(task.test)} prompts)"
-              f"{_chance(task)}", flush=True)  # fmt: skip
-        if script.tools:
-            print("held-out accuracy is measured in one turn, without tools (the rollouts use them)", flush=True)
-    if script.tools and script.model.startswith(TINY_PREFIX):  # before a long run teaches nothing about tools
+              f"{_chance(task)}{ONE_TURN if script.tools else ''}", flush=True)  # fmt: skip
+    if script.tools and script.model.startswith(TINY_PREFIX) and not script.warm_start:
         print(f"{PROG}: note: a {TINY_PREFIX} model starts from random weights and does not call tools by itself: this "
-              "run checks the tool loop, not tool use (a pretrained --model learns that; "
-              "examples/recipes/qwen2_5_vl_3b_zoom_tools.yaml).", file=sys.stderr, flush=True)  # fmt: skip
+              "run checks the tool loop, not tool use (--warm_start N teaches the call first; a pretrained --model "
+              "learns more: examples/recipes/qwen2_5_vl_3b_zoom_tools.yaml).", file=sys.stderr, flush=True)  # fmt: skip
 
     metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
-    tools = {}
-    if script.tools:  # one environment per rollout, over its row's image (vlm_grpo.tools)
-        from .tools import image_tools
-
-        tools["environment_factory"] = image_tools(script.tools)
     # TRL's notice that `environment_factory` is experimental is for authors of environments, not for this command.
     with library_bars_off(), warnings.catch_warnings():  # TRL loads the KL reference model again: a second bar
         warnings.filterwarnings("ignore", "You are using 'environment_factory'", UserWarning)
         trainer = VLMGRPOTrainer(model=model, reward_funcs=task.reward_funcs, args=config, train_dataset=task.train,
                                  processing_class=processor, **tools)  # fmt: skip
+    if task.test is not None and script.tools:
+        before |= with_tools(trainer, task, "before training", config.seed)
     _show_progress(trainer, metrics_path, reward_name(task.accuracy))
     try:
         with stops_as(trainer, config.output_dir, trained=False):  # Ctrl-C: main says where it stopped, in one line
@@ -308,40 +293,7 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     finally:  # a run stopped by an error says so in one line, after the bar
         close_progress_bars(trainer)
     with stops_as(trainer, config.output_dir, trained=True):
-        return _finish(script, config, task, trainer, processor, before, score)
-
-
-def _finish(
-    script: ScriptArguments, config: Any, task: Task, trainer: Any, processor: Any, before: dict, score: dict
-) -> dict[str, float]:
-    """After training: `final/`, the held-out accuracy after, `eval.json` and the reward plot; the metrics returned."""
-    from .callbacks import plot_reward_curve
-    from .engine.sharded import full_weights
-    from .evaluation import evaluate
-
-    # Saved before the held-out evaluation, so a failure there cannot lose it.
-    _save_final(trainer, processor, os.path.join(config.output_dir, "final"))
-
-    results: dict[str, float] = {}
-    if task.test is not None:
-        with full_weights(trainer.model_wrapped):  # a sharded model gathered once, not per layer per token
-            after = evaluate(trainer.model, processor, task.test, task.eval_funcs, **score)
-        chance = "" if task.chance is None else f"  chance {task.chance:.3f}"
-        print(f"held-out accuracy after training:  {after['accuracy']:.3f}{chance}", flush=True)
-        results = {f"before/{k}": v for k, v in before.items()} | {f"after/{k}": v for k, v in after.items()}
-    if not trainer.accelerator.is_main_process:
-        return results
-    tmp_json = os.path.join(config.output_dir, "eval.json.tmp")
-    with open(tmp_json, "w") as f:
-        json.dump(results, f, indent=2)
-    os.replace(tmp_json, os.path.join(config.output_dir, "eval.json"))
-    metrics_path = os.path.join(config.output_dir, "metrics.jsonl")
-    plot_reward_curve(metrics_path, os.path.join(config.output_dir, "reward_curve.png"),
-                      title=f"GRPO: {task.name} — {script.model}", before=before.get("accuracy", math.nan),
-                      after=results.get("after/accuracy", math.nan), max_steps=trainer.state.max_steps)  # fmt: skip
-    base = ", tiny-base/ (the model it started from)" if script.model.startswith(TINY_PREFIX) else ""
-    print(f"wrote {config.output_dir}/: metrics.jsonl, reward_curve.png, eval.json, final/{base}", flush=True)
-    return results
+        return finish(script, config, task, trainer, processor, before, score)
 
 
 def main(argv: list[str] | None = None) -> int:

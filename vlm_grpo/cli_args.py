@@ -58,6 +58,7 @@ MAIN_OPTIONS: dict[str, tuple[tuple[str, str, str], ...]] = {
         ("dataset", "SOURCE", "your data: Hub id, JSONL / CSV / Parquet file, image folder, save_to_disk dir"),
         ("prompt_column", "NAME", "your question column (also --image_column, --answer_column)"),
         ("tools", "NAMES", "image tools the model may call: crop, zoom, rotate (Qwen-VL, Qwen3.5)"),
+        ("warm_start", "N", "supervised steps on traces of the task first (with --tools zoom: calling it)"),
         ("reward_funcs", "NAME ...", "vlm_grpo.rewards names or pkg.mod:fn (default: the task's own; answer_choice)"),
         ("eval_split", "SPLIT", "held-out split for accuracy before/after (default: --test_size rows of --dataset)"),
         ("prompt_template", "TEXT", '"{prompt} ..." around each question (also --system_prompt)'),
@@ -187,6 +188,13 @@ class ScriptArguments:
                   "(vlm_grpo.tools; they act on the row's image). Qwen-VL and Qwen3.5 models. Unless set, "
                   "--max_completion_length 256 and --max_tool_calling_iterations 2 (a call, its image and the answer; "
                   "128 tokens at least)."},
+    )  # fmt: skip
+    warm_start: int = field(
+        default=0,
+        metadata={"help": "Supervised steps before GRPO on traces of the task (vlm_grpo.tools.warm_start): with --tools "
+                  "zoom, each looks, calls zoom on a box around the mark, reads the tool's image and answers, so GRPO "
+                  "starts from a model that calls the tool (--task zoom); without --tools, each answers at once. "
+                  "0: none."},
     )  # fmt: skip
     use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of all weights."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})

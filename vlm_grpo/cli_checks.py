@@ -69,6 +69,23 @@ def _check_tools(script: ScriptArguments, config: Any) -> None:
         raise UsageError("--tools with clips is not supported: the tool loop takes images only.")
 
 
+def _check_warm_start(script: ScriptArguments) -> None:
+    """`--warm_start`: a count, image rows; with tools, traces that zoom on the mark need the zoom task (its rows hold
+    the mark's box)."""
+    from .data.tasks import TASK_SPECS
+
+    if script.warm_start < 0:
+        raise UsageError(f"--warm_start is a number of steps >= 0, got {script.warm_start}.")
+    spec = TASK_SPECS.get(script.task) if script.dataset is None else None
+    if script.warm_start and ((spec is not None and spec.video) or script.video_column):
+        raise UsageError("--warm_start makes traces of image rows, not clips; leave it out for a video task.")
+    if script.warm_start and script.tools and (script.dataset is not None or script.task != "zoom"):
+        raise UsageError("--warm_start with --tools shows a zoom on the mark, which only --task zoom's rows locate; "
+                         "use --task zoom, or leave out --warm_start.")  # fmt: skip
+    if script.warm_start and script.tools and "zoom" not in [t.strip() for t in script.tools.split(",")]:
+        raise UsageError("--warm_start with --tools calls zoom: add it, e.g. --tools zoom.")
+
+
 def check_clips_family(script: ScriptArguments, train: Any) -> None:
     """A dataset with clips for a model whose family takes none, refused before the model loads (the trainer would
     refuse it only after). The family comes from the tiny name or the model's config (cheap: no weights)."""
@@ -119,6 +136,7 @@ def check_args(script: ScriptArguments, config: Any) -> None:
         )
     _check_video_task(script)
     _check_tools(script, config)
+    _check_warm_start(script)
     if script.model.startswith((".", "/", "~")) and not os.path.exists(os.path.expanduser(script.model)):
         raise UsageError(f"--model {script.model}: no such directory.")
     # The model first: a GPU recipe run where the Hub is out of reach needs `tiny:` more than it needs bitsandbytes.

@@ -1,7 +1,9 @@
-"""`evaluate`: mean reward, accuracy and pass@k of a VLM on a dataset, with the trainer's row handling."""
+"""`evaluate`: mean reward, accuracy and pass@k of a VLM on a dataset, with the trainer's row handling; and
+`evaluate_with_tools`: the accuracy of a trainer's model rolled out with its tools, multi-turn, as training rolls out."""
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -16,7 +18,7 @@ from .modes import generating
 from .reward_checks import RewardFunctionError, checked_reward_func, reward_name
 from .rows import add_image_sizes, check_dataset, dataset_row, name_failing_row, prepare_row, row_images
 
-__all__ = ["evaluate", "pass_at_k", "sample_completions"]
+__all__ = ["evaluate", "evaluate_with_tools", "pass_at_k", "sample_completions"]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -92,6 +94,81 @@ def evaluate(
         result[f"pass@{k}"] = sum(pass_at_k(num_generations, c, k) for c in correct_per_row) / len(correct_per_row)
         k *= 2
     return result
+
+
+@torch.no_grad()
+def evaluate_with_tools(
+    trainer: Any,
+    dataset: Any,
+    reward_funcs: Callable | Sequence[Callable],
+    *,
+    batch_size: int = 16,
+    correct_threshold: float = 1.0,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Roll out every row of `dataset` once with `trainer`'s tools and score it: held-out accuracy with tools.
+
+    The rollouts are the training ones (`trainer._generate_and_score_completions` in eval mode: TRL's tool loop over
+    the trainer's environments, each turn on the fast generator, the tools' images in the conversation), decoded
+    greedily, as `evaluate` decodes, up to `max_completion_length` and `max_tool_calling_iterations`.
+
+    Args:
+        trainer: a `VLMGRPOTrainer` given `tools` or an `environment_factory`.
+        dataset: rows as for the trainer (`prompt`, `image`, the answer columns).
+        reward_funcs: as for `evaluate`; the first decides correctness (>= `correct_threshold`).
+        batch_size: rows rolled out together.
+        seed: the random stream for the call (the trainer's and the GPU's given back as they were).
+
+    Returns:
+        `{"accuracy", "mean_reward", "reward/<name>", "tools/call_frequency", "tools/failure_frequency"}`: tool calls
+        per rollout, and the share of them the tools refused, as TRL's training metrics count them.
+    """
+    funcs = _check_funcs(reward_funcs)
+    if not (trainer.tools or trainer.environment_factories):
+        raise ValueError("evaluate_with_tools needs a trainer given tools or an environment_factory; use evaluate.")
+    if batch_size < 1:
+        raise ValueError("batch_size must be at least 1.")
+    dataset, _ = check_dataset(dataset, "dataset", check_images=False)
+    rewards: dict[str, list[float]] = {reward_name(f): [] for f in funcs}
+    calls = failures = 0
+    saved = trainer.generation_config, trainer.num_generations_eval
+    greedy = copy.deepcopy(trainer.generation_config)
+    greedy.do_sample, greedy.temperature, greedy.top_p, greedy.top_k, greedy.min_p = False, None, None, None, None
+    device = trainer.accelerator.device
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), generating(trainer.model):
+            torch.manual_seed(seed)
+            # One rollout per row: groups of one (TRL's eval mode groups `num_generations_eval` rollouts).
+            trainer.generation_config, trainer.num_generations_eval = greedy, 1
+            for start in range(0, len(dataset), batch_size):
+                rows = [dict(r) for r in dataset.select(range(start, min(start + batch_size, len(dataset))))]
+                trainer._generate_and_score_completions(rows)
+                inputs, prompts, completions = trainer._rewarded
+                columns = {k: [row.get(k) for row in inputs] for k in inputs[0] if k not in ("prompt",)}
+                for func in funcs:
+                    scores = func(prompts=prompts, completions=completions, **columns)
+                    rewards[reward_name(func)].extend(float("nan") if v is None else float(v) for v in scores)
+                messages = [m for c in completions if isinstance(c, list) for m in c]
+                calls += sum(len(m.get("tool_calls") or []) for m in messages)
+                # TRL answers a call that failed (a refused box, an unknown tool) with `{'error': ...}` as text.
+                failures += sum(
+                    m.get("role") == "tool" and str(m.get("content")).startswith("{'error'") for m in messages
+                )
+    finally:
+        trainer.generation_config, trainer.num_generations_eval = saved
+        trainer._metrics["eval"].clear()  # TRL's eval-mode metrics of these rollouts: not the training run's
+    first = rewards[reward_name(funcs[0])]
+    result = {f"reward/{name}": _nan_mean(values) for name, values in rewards.items()}
+    result["mean_reward"] = sum(result[f"reward/{reward_name(f)}"] for f in funcs) / len(funcs)
+    result["accuracy"] = sum(1 for v in first if v >= correct_threshold) / len(first)
+    result["tools/call_frequency"] = calls / len(first)
+    result["tools/failure_frequency"] = failures / calls if calls else 0.0
+    return result
+
+
+def _nan_mean(values: list[float]) -> float:
+    valid = [v for v in values if not math.isnan(v)]
+    return sum(valid) / len(valid) if valid else float("nan")
 
 
 def sample_completions(

@@ -7,10 +7,12 @@ training run. So here, and only here:
 - `OVERRIDDEN`: the TRL methods `VLMGRPOTrainer` overrides, with the parameters TRL calls them with;
 - `CALLED`: the transformers methods the engine calls, with the parameters it passes;
 - `CHECKPOINT_LOADING`: the transformers function resuming a checkpoint calls (`vlm_grpo.checkpoints`);
+- `TOOL_LOOP`: the TRL method that tokenizes a tool turn, which the tool warm start runs (`tool_suffix_ids`);
 - `TRAINER_ATTRIBUTES`: the TRL trainer attributes the trainer reads (read plainly, never `getattr(..., default)`,
   so a rename raises instead of silently reading the default);
 - `FUSED_LM_HEAD_KEYWORDS`: what TRL's fused LM head adds to a model's forward, which shared-prefix scoring passes;
-- the wrappers the engine calls (`prepare_generation`, `logits_processors`, `generation_position_ids`).
+- the wrappers the engine calls (`prepare_generation`, `logits_processors`, `generation_position_ids`), and
+  `tool_suffix_ids`, TRL's tokenization of a tool turn for the tool warm start.
 `tests/test_private_api.py` checks each signature and attribute against the installed libraries: a release that
 changes one fails a unit test that names it. `TESTED` records the releases these were read from.
 """
@@ -30,6 +32,7 @@ __all__ = [
     "FUSED_LM_HEAD_KEYWORDS",
     "OVERRIDDEN",
     "TESTED",
+    "TOOL_LOOP",
     "TRAINER_ATTRIBUTES",
     "PrivateMethod",
     "can_generate_fast",
@@ -39,6 +42,7 @@ __all__ = [
     "merged_generation_config",
     "prepare_generation",
     "signature_drift",
+    "tool_suffix_ids",
 ]
 
 # The releases the lists below were read from: the floors in setup.cfg and the newest at the time.
@@ -104,6 +108,11 @@ CALLED: tuple[PrivateMethod, ...] = (
     PrivateMethod(_GENERATION, "_prepare_position_ids_for_generation", ("inputs_tensor", "model_kwargs"),
                   "generation_position_ids"),
 )
+# The TRL method `tool_suffix_ids` runs (not an override: called unbound, for a processor, without a trainer).
+TOOL_LOOP: tuple[PrivateMethod, ...] = (
+    PrivateMethod(_GRPO, "_get_tool_suffix_ids", ("tool_messages",),
+                  "tool_suffix_ids: a warm-start trace's tool turn tokenized as TRL's tool loop tokenizes it"),
+)
 # transformers' internals the checkpoint code calls (module-level functions).
 CHECKPOINT_LOADING: tuple[PrivateMethod, ...] = (
     PrivateMethod("transformers.core_model_loading", "revert_weight_conversion", ("model", "state_dict"),
@@ -136,7 +145,9 @@ TRAINER_ATTRIBUTES = (
 FUSED_LM_HEAD_KEYWORDS = ("fused_lm_head", "shift_labels")
 
 
-def signature_drift(methods: tuple[PrivateMethod, ...] = (*OVERRIDDEN, *CALLED, *CHECKPOINT_LOADING)) -> list[str]:
+def signature_drift(
+    methods: tuple[PrivateMethod, ...] = (*OVERRIDDEN, *CALLED, *CHECKPOINT_LOADING, *TOOL_LOOP),
+) -> list[str]:
     """Each of `methods` whose installed parameters differ from the tested ones, as one line naming it."""
     drift = []
     for method in methods:
@@ -157,6 +168,20 @@ def prepare_generation(model: Any, generation_config: Any, device: torch.device)
     config, model_kwargs = model._prepare_generation_config(generation_config)
     model._prepare_special_tokens(config, True, device=device)
     return config, model_kwargs
+
+
+def tool_suffix_ids(processor: Any, tool_messages: list[dict[str, Any]]) -> list[int]:
+    """The tokens TRL's tool loop appends after a completion that called tools: `tool_messages` (the tool turn, its
+    images' tokens expanded) and the next generation prompt, from TRL's own `GRPOTrainer._get_tool_suffix_ids` run
+    for `processor` (its template, no extra template arguments) rather than a copy of it."""
+    from types import SimpleNamespace
+
+    from trl import GRPOTrainer
+
+    tokenizer = getattr(processor, "tokenizer", processor)
+    trainer = SimpleNamespace(processing_class=processor, chat_template=None, chat_template_kwargs={},
+                              _is_vlm=tokenizer is not processor, _tokenizer=tokenizer)  # fmt: skip
+    return list(GRPOTrainer._get_tool_suffix_ids(trainer, tool_messages))
 
 
 def merged_generation_config(model: Any, generation_config: Any) -> Any:

@@ -34,7 +34,8 @@ its concern:
 - `_generate_single_turn`: inference mode while generating (`vlm_grpo.modes`); completions from the fast generator
   unless it cannot serve the call (`vlm_grpo.generation_route`: TRL's `model.generate`, the reason logged once).
 - `_calculate_rewards`: rows reach the rewards in the dataset's own format (`vlm_grpo.rows.rows_for_rewards`); the
-  rewards kept for dynamic sampling's filter; a failing reward's row named by its file and line where known.
+  rewards kept for dynamic sampling's filter; a failing reward's row named by its file and line where known; the
+  rows and completions for `evaluation.evaluate_with_tools`.
 - `_get_per_token_logps_and_entropies`: the sampler's blocked ids out of the scored softmax, for the policy and the
   reference (`vlm_grpo.blocked_tokens`); each group's prompt and images computed once where the shared-prefix path
   serves (`vlm_grpo.scoring_route`), else TRL's per-row forward, with a batch's clips.
@@ -120,6 +121,8 @@ class VLMGRPOTrainer(GRPOTrainer):
     # Each row's vision inputs while a batch with clips is generated and scored (`_tokenize_prompts`) or trained on
     # (`_compute_loss`); None otherwise. `_get_per_token_logps_and_entropies` passes them to the model.
     _vision_rows: list[dict[str, Any]] | None = None
+    # The last batch's rows, prompts and completions as the rewards got them (`_calculate_rewards`).
+    _rewarded: tuple[list[dict[str, Any]], list[Any], list[Any]] | None = None
 
     def __init__(
         self,
@@ -348,6 +351,7 @@ class VLMGRPOTrainer(GRPOTrainer):
             return self.processing_class.batch_decode(ids, skip_special_tokens=True)
 
         rows, prompts, completions = rows_for_rewards(inputs, prompts, completions, completion_ids_list, decode)
+        self._rewarded = (rows, prompts, completions)  # what `evaluation.evaluate_with_tools` scores
         try:
             self._last_rewards_per_func = super()._calculate_rewards(rows, prompts, completions, completion_ids_list)
         except RewardFunctionError as error:  # the row named by its file and line, where the dataset kept them

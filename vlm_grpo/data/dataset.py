@@ -47,7 +47,8 @@ def make_visual_reasoning_dataset(
         A Dataset with ``prompt`` (``[{"role": "user", "content": question}]``, content a
         plain string), ``image`` (``datasets.Image``, PNG bytes) and ``answer`` (str);
         ``"locate"`` adds ``bbox`` ([x1, y1, x2, y2] floats in pixels, x2/y2
-        exclusive) and ``image_size`` ([width, height]). A video task (``"motion"``) has
+        exclusive) and ``image_size`` ([width, height]); ``"zoom"`` adds ``bbox``, the mark's box. A video task
+        (``"motion"``) has
         ``video`` (a list of ``datasets.Image`` frames) instead of ``image``.
 
     Raises:
@@ -81,6 +82,9 @@ def make_visual_reasoning_dataset(
         columns["image_size"] = [ex.extra["image_size"] for ex in examples]
         features["bbox"] = List(Value("float64"))
         features["image_size"] = List(Value("int64"))
+    if task == "zoom":  # the mark's box, for a demonstrated zoom (`vlm_grpo.tools.warm_start`) and for tests
+        columns["bbox"] = [[float(v) for v in ex.extra["bbox"]] for ex in examples]
+        features["bbox"] = List(Value("float64"))
     return Dataset.from_dict(columns, features=Features(features))
 
 

@@ -94,7 +94,8 @@ def build_tiny_vlm(
     # transformers loads every Qwen3.5 tokenizer as its own byte-level BPE class, whatever the folder says: a
     # word-level one would come back garbled ("red blue" -> no ids). Those families get the byte-level build.
     text = tools or family in _BYTE_LEVEL_ON_LOAD
-    tok = build_text_tokenizer(spec, extra) if text else build_tokenizer(spec, extra)
+    pieces = _tool_pieces(family, spec.chat_template) if tools else []
+    tok = build_text_tokenizer(spec, extra, pieces) if text else build_tokenizer(spec, extra)
 
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
@@ -119,6 +120,32 @@ def build_tiny_vlm(
         if name.endswith(".safetensors"):
             follow_umask(os.path.join(out_dir, name))
     return out_dir
+
+
+def _tool_pieces(family: str, template: str) -> list[str]:
+    """The pieces of a tool conversation as `family`'s template renders it (with the template the trainer installs
+    where the shipped one renders no tools): the tool boilerplate, `vlm_grpo.tools.ImageTools`' schemas and a call.
+    Each becomes one token, so a tool prompt is a few hundred tokens rather than a thousand bytes."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from ..tools import ImageTools
+    from ..tools.templates import QWEN2_5_VL_TOOL_TEMPLATE
+    from .tokenizer import text_pieces
+
+    if family in ("qwen2_vl", "qwen2_5_vl"):
+        template = QWEN2_5_VL_TOOL_TEMPLATE
+    environment = ImageTools()
+    call = {"type": "function", "function": {"name": "zoom", "arguments": {"x1": 0, "y1": 0, "x2": 8, "y2": 8,
+                                                                           "factor": 4}}}  # fmt: skip
+    conversation = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": "zoom", "content": [{"type": "image"}, {"type": "text", "text": "Zoom x4."}]},
+        {"role": "assistant", "content": "it"},
+    ]
+    tools = [environment.crop, environment.zoom, environment.rotate]
+    rendered = render_jinja_template([conversation], tools=tools, chat_template=template)[0][0]
+    return text_pieces(rendered)
 
 
 def _cache_dir(family: str, seed: int, words: list[str], image_size: int, tools: bool) -> str:

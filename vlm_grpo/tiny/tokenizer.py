@@ -21,6 +21,7 @@ __all__ = [
     "build_word_level_tokenizer",
     "offline_learning_note",
     "split_words",
+    "text_pieces",
 ]
 
 # Words the tiny tokenizer always knows: what the chat templates, task prompts and rewards use.
@@ -138,13 +139,26 @@ _TOOL_WORDS = (
 )
 
 
-def build_text_tokenizer(family: TokenizerSpec, words: Iterable[str]) -> Any:
+def text_pieces(text: str) -> list[str]:
+    """The distinct pieces Qwen's pre-tokenizer cuts `text` into (words, digits, runs of punctuation), leading spaces
+    dropped: given to `build_text_tokenizer(pieces=...)`, each becomes one token.
+
+    >>> text_pieces('{"name": "zoom", "x1": 16}')
+    ['{"', 'name', '":', '"', 'zoom', '",', 'x', '1', '6', '}']
+    """
+    import regex
+
+    return list(dict.fromkeys(p.strip(" ") for p in regex.findall(_QWEN_PRETOKENIZE, text) if p.strip()))
+
+
+def build_text_tokenizer(family: TokenizerSpec, words: Iterable[str], pieces: Iterable[str] = ()) -> Any:
     """The family's tokenizer as a byte-level BPE, the kind real Qwen tokenizers are: it decodes any text back exactly
     (`decode(encode(text)) == text`). For tool calling: TRL parses tool calls out of the decoded completion (JSON or
     XML inside `<tool_call>`), which the word-level tokenizer (`build_tokenizer`: spaces between all tokens, unknown
     punctuation) would break.
 
-    The base words, the tool schema words and `words` are one token each, with and without a leading space (merges
+    The base words, the tool schema words, `words` and `pieces` (`text_pieces` of text the model will read often,
+    e.g. its tools' schemas: fewer tokens per prompt) are one token each, with and without a leading space (merges
     learned from them alone); any other text falls back to bytes. The family's special tokens are split out first, and
     its `added` tokens (not special: decoding with `skip_special_tokens=True` keeps them).
     """
@@ -158,7 +172,7 @@ def build_text_tokenizer(family: TokenizerSpec, words: Iterable[str]) -> Any:
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])  # fmt: skip
     backend.decoder = decoders.ByteLevel()
-    known = list(dict.fromkeys([*_BASE_WORDS, *_TOOL_WORDS, *words]))
+    known = list(dict.fromkeys([*_BASE_WORDS, *_TOOL_WORDS, *words, *pieces]))
     trainer = trainers.BpeTrainer(
         vocab_size=1_000_000, min_frequency=1, show_progress=False, special_tokens=["<unk>", *family.special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
