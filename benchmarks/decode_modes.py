@@ -23,7 +23,7 @@ def main() -> None:
     from decode_profile import _batch, _trainer, parse_args
     from real_arch import build_checkpoint
 
-    from vlm_grpo.modes import generating
+    from vlm_grpo.models.modes import generating
 
     args = parse_args(["--merge_backup", "host", *sys.argv[1:]])
     checkpoint = build_checkpoint(args.model, os.path.join(args.checkpoint_dir, args.model))

@@ -129,7 +129,7 @@ def _trainer(args, checkpoint, rows):
 def _batch(trainer, num_generations):
     from trl.data_utils import prepare_multimodal_messages
 
-    from vlm_grpo.rows import prepare_row
+    from vlm_grpo.data.rows import prepare_row
 
     prepared = [prepare_row(row) for row in trainer.train_dataset for _ in range(num_generations)]
     prompts = [prepare_multimodal_messages(r["prompt"], images=r["images"]) for r in prepared]
@@ -141,7 +141,7 @@ def profile_batch(args, checkpoint, prompts: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from vlm_grpo.engine.lora_merge import merged_lora
-    from vlm_grpo.modes import generating
+    from vlm_grpo.models.modes import generating
 
     rows = prompts * args.num_generations
     trainer = _trainer(args, checkpoint, rows)

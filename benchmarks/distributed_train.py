@@ -79,7 +79,7 @@ def _model_and_data(name: str, out_dir: str, rank: int, image_size: int, full: b
     from datasets import Dataset
     from PIL import Image
 
-    from vlm_grpo.model import FastVisionModel
+    from vlm_grpo.models.loader import FastVisionModel
 
     if name.startswith("qwen2.5-vl-"):
         from real_arch import build_checkpoint
@@ -150,7 +150,7 @@ def _compiled_graphs() -> int:
 
 
 def _lora_b_moved(model) -> dict[str, int]:
-    from vlm_grpo.hooks import VISION_TOWER_NAMES
+    from vlm_grpo.models.hooks import VISION_TOWER_NAMES
 
     counts = {"vision_total": 0, "vision_moved": 0, "language_total": 0, "language_moved": 0}
     for name, param in model.named_parameters():
@@ -168,7 +168,7 @@ def _check_export(trainer, processor, out_dir: str, final: str, base_path: str) 
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
-    from vlm_grpo.model import FastVisionModel
+    from vlm_grpo.models.loader import FastVisionModel
 
     fp32 = torch.float32
     path = FastVisionModel.save_pretrained_merged(trainer.model, processor, os.path.join(out_dir, "merged"), dtype=fp32)
@@ -241,9 +241,9 @@ def main() -> None:
         if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
             _allow_fsdp_on_cpu()
 
-    from vlm_grpo.engine.sharded import full_weights, sharding
-    from vlm_grpo.model import FastVisionModel
-    from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+    from vlm_grpo.models.loader import FastVisionModel
+    from vlm_grpo.models.sharded import full_weights, sharding
+    from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
     # The model is built before the config: once the config has set up the process group, transformers'
     # save_pretrained writes on the main process only, and the other ranks' tiny checkpoints would lack weights.

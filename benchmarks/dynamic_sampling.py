@@ -35,11 +35,11 @@ def train_and_evaluate(
     from transformers import TrainerCallback
 
     from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
-    from vlm_grpo.evaluation import evaluate
-    from vlm_grpo.model import FastVisionModel
+    from vlm_grpo.models.loader import FastVisionModel
     from vlm_grpo.rewards import make_choice_reward
     from vlm_grpo.tiny import build_tiny_vlm
-    from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+    from vlm_grpo.training.evaluation import evaluate
+    from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
     torch.set_num_threads(1)
     colors = answer_words("color", 1)

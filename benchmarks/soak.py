@@ -12,7 +12,7 @@ shorter run) grows <= 5 %, no compile after step 10, the last 100 steps' median 
 (on a GPU, reserved memory flat after step 10). On a host shared with other jobs the wall time follows their load:
 each step's CPU time and the load average are recorded beside it, and the time check is made on both.
 
-The tiny model trains on the synthetic colour task (vlm_grpo.task.synthetic_task); the real architecture on noise
+The tiny model trains on the synthetic colour task (vlm_grpo.cli.task.synthetic_task); the real architecture on noise
 images with a reward that differs within each group (benchmarks/real_arch.py builds the checkpoint, as
 benchmarks/grpo_step.py does). Completions are sampled, so their lengths, and the step's shapes, vary from step to step.
 """
@@ -137,7 +137,7 @@ def build_trainer(args, records: list):
         common["compile_layers"] = True
     ref: dict = {}
     if args.model == "tiny":
-        from vlm_grpo.task import synthetic_task
+        from vlm_grpo.cli.task import synthetic_task
         from vlm_grpo.tiny import build_tiny_vlm
 
         torch.set_num_threads(args.threads)

@@ -9,11 +9,11 @@ def sampler_gap_trl(base):
     """Plain TRL with its own generate-vs-score gap measured (`docs/benchmarks.md`): a last logits processor keeps
     each step's processed scores, normalised, and reads the sampled token's log-prob from them once the next step
     shows which token was drawn (one [B, V] buffer, no per-step history); the loss's log-probs of a batch's first use
-    are compared with them as the trainer logs its own (`vlm_grpo.sampler_logprobs.log_logp_gap`)."""
+    are compared with them as the trainer logs its own (`vlm_grpo.training.sampler_logprobs.log_logp_gap`)."""
     import torch
     from transformers import LogitsProcessorList
 
-    from vlm_grpo.sampler_logprobs import log_logp_gap
+    from vlm_grpo.training.sampler_logprobs import log_logp_gap
 
     class Recorder:
         def __init__(self):

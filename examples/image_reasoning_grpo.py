@@ -16,12 +16,19 @@ import os
 import torch
 from transformers import PrinterCallback
 
-from vlm_grpo import FastVisionModel, VLMGRPOConfig, VLMGRPOTrainer, build_tiny_vlm, evaluate
-from vlm_grpo.callbacks import LivePlotCallback
+from vlm_grpo import (
+    FastVisionModel,
+    VLMGRPOConfig,
+    VLMGRPOTrainer,
+    build_tiny_vlm,
+    dataset_task,
+    evaluate,
+    synthetic_task,
+)
+from vlm_grpo.cli.demo import DEMO
 from vlm_grpo.data import TASKS
-from vlm_grpo.demo import DEMO
 from vlm_grpo.rewards import think_answer_format
-from vlm_grpo.task import dataset_task, synthetic_task
+from vlm_grpo.training.callbacks import LivePlotCallback
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--model", default=DEMO.model, help="Hub id or path; tiny:<family> builds one offline")
@@ -36,7 +43,7 @@ args = parser.parse_args()
 # -- hyperparameters -------------------------------------------------------------------------------------------------
 tiny = args.model.startswith("tiny:")
 if tiny:
-    # The embedded demo's recipe (vlm_grpo.demo.DEMO, docs/demo.md) for a tiny random-init model: all weights train
+    # The embedded demo's recipe (vlm_grpo.cli.demo.DEMO, docs/demo.md) for a tiny random-init model: all weights train
     # (LoRA on random weights barely learns), lr 5e-4, 16 samples per prompt, one-word answers in 4 new tokens.
     use_lora, learning_rate, max_steps, num_generations, prompts_per_step, max_completion_length = (
         False, DEMO.learning_rate, DEMO.max_steps, DEMO.num_generations, DEMO.prompts_per_step,

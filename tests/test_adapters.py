@@ -6,7 +6,7 @@ import pytest
 import torch
 from peft import PeftModel
 
-from vlm_grpo.model import FastVisionModel
+from vlm_grpo.models.loader import FastVisionModel
 
 
 def _logits(model, processor) -> torch.Tensor:

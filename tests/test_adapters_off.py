@@ -12,8 +12,8 @@ from test_shared_prefix import COLORS, MULTIMODAL, _rows, _zero_reward
 from trl.trainer.utils import use_adapter
 
 from vlm_grpo.engine.adapters_off import AdaptersOff, layers_to_switch
-from vlm_grpo.model import FastVisionModel
-from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+from vlm_grpo.models.loader import FastVisionModel
+from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
 
 def _trainer(tiny_dir, tmp_path, **lora):

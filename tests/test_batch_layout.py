@@ -80,9 +80,9 @@ def test_tokenising_each_distinct_prompt_once_gives_what_trl_gives_for_every_row
     from trl import GRPOTrainer
     from trl.data_utils import prepare_multimodal_messages
 
-    from vlm_grpo.model import FastVisionModel
-    from vlm_grpo.rows import prepare_row
-    from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+    from vlm_grpo.data.rows import prepare_row
+    from vlm_grpo.models.loader import FastVisionModel
+    from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
     if not family_of(family).batched_prompts:
         pytest.skip(

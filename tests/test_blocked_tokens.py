@@ -22,9 +22,9 @@ from vlm_grpo.data import answer_words
 from vlm_grpo.families import core_model, family_of
 from vlm_grpo.media.forward_inputs import completion_token_types, images_per_row_input
 from vlm_grpo.media.processing import row_vision_inputs
-from vlm_grpo.model import FastVisionModel
+from vlm_grpo.models.loader import FastVisionModel
 from vlm_grpo.tiny import TINY_FAMILIES
-from vlm_grpo.trainer import VISION_ROWS, VLMGRPOConfig, VLMGRPOTrainer
+from vlm_grpo.training.trainer import VISION_ROWS, VLMGRPOConfig, VLMGRPOTrainer
 
 COLORS = answer_words("color", 1)
 MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "token_type_ids", "mm_token_type_ids",

@@ -14,8 +14,8 @@ from transformers.cache_utils import DynamicLayer, LinearAttentionLayer, StaticL
 
 from vlm_grpo.compat import cache_kwarg
 from vlm_grpo.engine.cache_kinds import UnservableCache, copy_prefill, layer_kind, state_tensors
-from vlm_grpo.model import FastVisionModel
-from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+from vlm_grpo.models.loader import FastVisionModel
+from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
 
 class _NewKindLayer(StaticLayer):
@@ -73,7 +73,7 @@ def test_an_unknown_cache_layer_falls_back_to_trls_generate_with_its_reason(tiny
         return cache
 
     caches.get = with_a_new_kind
-    with caplog.at_level(logging.WARNING, logger="vlm_grpo.generation_route"):
+    with caplog.at_level(logging.WARNING, logger="vlm_grpo.training.generation_route"):
         batch = trainer._generate_and_score_completions(rows)
     assert batch["completion_ids"].shape[0] == 2  # TRL's generate served the batch
     assert trainer.fast_generator.stats["calls"] == 0

@@ -10,7 +10,9 @@ from datasets import Image as ImageFeature
 from PIL import Image
 
 from vlm_grpo import FastVisionModel, VLMGRPOConfig, VLMGRPOTrainer
-from vlm_grpo.callbacks import (
+from vlm_grpo.data import answer_words
+from vlm_grpo.rewards import make_choice_reward, think_answer_format
+from vlm_grpo.training.callbacks import (
     LivePlotCallback,
     MetricsJsonlCallback,
     RewardPrinter,
@@ -23,8 +25,6 @@ from vlm_grpo.callbacks import (
     reward_curve_figure,
     reward_summary,
 )
-from vlm_grpo.data import answer_words
-from vlm_grpo.rewards import make_choice_reward, think_answer_format
 
 COLOURS = ["red", "green", "blue", "yellow"]
 

@@ -9,10 +9,15 @@ import torch
 from safetensors.torch import load_file
 
 from vlm_grpo import FastVisionModel, VLMGRPOConfig, VLMGRPOTrainer
-from vlm_grpo.callbacks import MetricsJsonlCallback
-from vlm_grpo.checkpoints import checkpoint_dirs, incomplete_reason, load_full_weights, newest_complete_checkpoint
 from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
 from vlm_grpo.rewards import make_choice_reward
+from vlm_grpo.training.callbacks import MetricsJsonlCallback
+from vlm_grpo.training.checkpoints import (
+    checkpoint_dirs,
+    incomplete_reason,
+    load_full_weights,
+    newest_complete_checkpoint,
+)
 
 COLORS = answer_words("color", 1)
 

@@ -21,9 +21,9 @@ from PIL import Image, ImageDraw
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-from vlm_grpo.cli import UsageError, main, parse_args, run
-from vlm_grpo.cli_args import MAIN_OPTIONS
-from vlm_grpo.cli_checks import resume_checkpoint
+from vlm_grpo.cli.args import MAIN_OPTIONS
+from vlm_grpo.cli.checks import resume_checkpoint
+from vlm_grpo.cli.command import UsageError, main, parse_args, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_RUN = ["--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "2",
@@ -133,7 +133,7 @@ def test_help_fits_a_screen_and_help_all_lists_every_flag_with_its_default_once(
 
 
 def test_help_is_quick_it_imports_neither_torch_nor_transformers():
-    code = "import sys; from vlm_grpo.cli import main; main(['--help']); print(sorted(m for m in sys.modules if m in ('torch', 'transformers', 'trl')))"
+    code = "import sys; from vlm_grpo.cli.command import main; main(['--help']); print(sorted(m for m in sys.modules if m in ('torch', 'transformers', 'trl')))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
     assert proc.stdout.splitlines()[-1] == "[]"
@@ -339,7 +339,7 @@ def test_image_folder_with_metadata(tmp_path):
 
 
 def test_system_prompt_and_template_reach_the_synthetic_task_prompts(tmp_path):
-    from vlm_grpo.cli import build_task
+    from vlm_grpo.cli.command import build_task
 
     script, config = parse_args(["--train_size", "2", "--test_size", "2", "--output_dir", str(tmp_path / "run"),
                                  "--system_prompt", "Be brief.", "--prompt_template", "{prompt} Think first."])  # fmt: skip
@@ -357,8 +357,8 @@ def test_system_prompt_and_template_reach_the_synthetic_task_prompts(tmp_path):
 def test_checkpointing_off_holds_through_the_held_out_evaluation(tmp_path, monkeypatch):
     # Issue 26: the baseline evaluation before training used to switch checkpointing back on for the whole run.
     from vlm_grpo.compat import CHECKPOINTING_ARG
-    from vlm_grpo.modes import checkpointing_mode
-    from vlm_grpo.trainer import VLMGRPOTrainer
+    from vlm_grpo.models.modes import checkpointing_mode
+    from vlm_grpo.training.trainer import VLMGRPOTrainer
 
     seen = []
     compute_loss = VLMGRPOTrainer.compute_loss
@@ -375,7 +375,7 @@ def test_checkpointing_off_holds_through_the_held_out_evaluation(tmp_path, monke
 
 
 def test_accuracy_reward_is_chosen_by_flag_or_by_what_the_rewards_read():
-    from vlm_grpo.cli import build_task
+    from vlm_grpo.cli.command import build_task
     from vlm_grpo.rewards import answer_accuracy, think_answer_format
 
     def task_of(*flags: str):

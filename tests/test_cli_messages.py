@@ -11,7 +11,7 @@ import pytest
 from test_cli import ROOT, TINY_RUN, _console_script, _metrics, _shapes_csv, vlm_grpo
 from transformers import AutoTokenizer
 
-from vlm_grpo.cli import main
+from vlm_grpo.cli.command import main
 
 
 def _our_lines(proc: subprocess.CompletedProcess) -> list[str]:

@@ -1,7 +1,7 @@
-"""`vlm_grpo.cli_stop`: the one line a Ctrl-C ends with, wherever in the run it came (the console script's own run is
+"""`vlm_grpo.cli.stop`: the one line a Ctrl-C ends with, wherever in the run it came (the console script's own run is
 `test_cli_messages.py::test_ctrl_c_is_one_line_naming_the_step_and_what_is_left_and_a_rerun_never_overwrites_it`)."""
 
-from vlm_grpo.cli_stop import Stopped, stopped_line
+from vlm_grpo.cli.stop import Stopped, stopped_line
 
 
 def test_the_stop_line_says_what_the_run_left_wherever_it_stopped(tmp_path):

@@ -19,9 +19,9 @@ from vlm_grpo.compat import (
     enable_checkpointing,
     is_checkpointing,
 )
-from vlm_grpo.model import FastVisionModel
-from vlm_grpo.modes import checkpointing_mode
-from vlm_grpo.trainer import VLMGRPOConfig
+from vlm_grpo.models.loader import FastVisionModel
+from vlm_grpo.models.modes import checkpointing_mode
+from vlm_grpo.training.trainer import VLMGRPOConfig
 
 
 @contextlib.contextmanager
@@ -149,8 +149,8 @@ def test_training_a_bitsandbytes_model_on_a_cpu_is_refused_before_the_first_step
     from datasets import Dataset
     from PIL import Image
 
-    from vlm_grpo.model import FastVisionModel, _bitsandbytes_runs_on_cpu
-    from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+    from vlm_grpo.models.loader import FastVisionModel, _bitsandbytes_runs_on_cpu
+    from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
     if not _bitsandbytes_runs_on_cpu():
         pytest.skip("this bitsandbytes has no CPU backend (< 0.46): it cannot even load here")

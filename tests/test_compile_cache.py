@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vlm_grpo.engine.compile_cache import CHECKPOINT_FOLDER, CompileCache, artifact_key, default_cache_dir
-from vlm_grpo.model import FastVisionModel
+from vlm_grpo.models.loader import FastVisionModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,7 +26,7 @@ _RUN = textwrap.dedent(
     from torch._dynamo.utils import counters
     from vlm_grpo import VLMGRPOConfig, VLMGRPOTrainer
     from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
-    from vlm_grpo.model import FastVisionModel
+    from vlm_grpo.models.loader import FastVisionModel
     from vlm_grpo.rewards import make_choice_reward
 
     tiny, out, cache = sys.argv[1:4]

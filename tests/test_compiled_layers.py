@@ -16,8 +16,8 @@ from vlm_grpo.engine.compiled_layers import (
     detach_all,
     unsupported_reason,
 )
-from vlm_grpo.model import FastVisionModel
-from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+from vlm_grpo.models.loader import FastVisionModel
+from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_the_trainer_compiles_as_the_config_says(tiny_dir, tmp_path, caplog):
     assert not _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both").compiled_layers.modules
     asked = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", compile_layers=True)
     assert len(asked.compiled_layers.modules) == 6
-    with caplog.at_level("WARNING", logger="vlm_grpo.trainer"):
+    with caplog.at_level("WARNING", logger="vlm_grpo.training.trainer"):
         whole = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", compile_layers=True, torch_compile=True)
     assert not whole.compiled_layers.modules
     assert "torch_compile compiles the whole model" in caplog.text

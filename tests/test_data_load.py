@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from vlm_grpo.data.load import DatasetError, load_grpo_dataset, load_split, to_grpo_rows
-from vlm_grpo.rows import check_dataset
+from vlm_grpo.data.rows import check_dataset
 
 
 def _jsonl(tmp_path, rows):
@@ -32,7 +32,7 @@ def test_easyr1_layout_becomes_chat_rows_with_images_where_the_placeholder_is(tm
         {"type": "text", "text": "Look: "},
         {"type": "image", "text": None},
         {"type": "text", "text": " How many? 1 Answer in <answer></answer>."},
-    ]  # fmt: skip  (the text around a placeholder as written: vlm_grpo.prompts, EasyR1's split)
+    ]  # fmt: skip  (the text around a placeholder as written: vlm_grpo.data.prompts, EasyR1's split)
     assert row["images"][0].size == (16, 16) and row["answer"] == "1"
     check_dataset(train)  # what the trainer accepts
 

@@ -9,7 +9,7 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from vlm_grpo.engine.decode_attention import DECODE_ATTENTION, decode_attention, grouped_decode_sdpa
-from vlm_grpo.model import FastVisionModel
+from vlm_grpo.models.loader import FastVisionModel
 
 
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from vlm_grpo.engine.decode_graph import DecodeGraphs, _cache_signature
-from vlm_grpo.model import FastVisionModel
+from vlm_grpo.models.loader import FastVisionModel
 
 
 def test_recordings_are_dropped_when_a_weight_moves_or_a_module_is_replaced_and_only_then(tiny_dir):

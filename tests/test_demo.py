@@ -1,4 +1,4 @@
-"""The demo's settings are written once (`vlm_grpo.demo.DEMO`): the command's defaults, the example script, the
+"""The demo's settings are written once (`vlm_grpo.cli.demo.DEMO`): the command's defaults, the example script, the
 notebook and the CPU recipe (a YAML users read, so it spells the values out) all agree with it."""
 
 import dataclasses
@@ -6,10 +6,10 @@ import os
 
 import yaml
 
-from vlm_grpo.cli import parse_args
+from vlm_grpo.cli.command import parse_args
+from vlm_grpo.cli.demo import DEMO
 from vlm_grpo.data.tasks import TASK_SPECS
-from vlm_grpo.demo import DEMO
-from vlm_grpo.trainer import VLMGRPOConfig
+from vlm_grpo.training.trainer import VLMGRPOConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_RECIPE = os.path.join(ROOT, "examples", "recipes", "cpu_smoke.yaml")
@@ -30,7 +30,7 @@ def test_cpu_recipe_is_the_demo_shortened():
     assert set(recipe) <= set(demo), set(recipe) - set(demo)  # every key is a demo setting
     assert set(demo) - set(recipe) == NOT_IN_RECIPE  # and every demo setting is spelled out
     differ = {k: (recipe[k], demo[k]) for k in recipe if k not in SHORTENED and recipe[k] != demo[k]}
-    assert not differ, f"cpu_smoke.yaml disagrees with vlm_grpo.demo.DEMO (yaml, DEMO): {differ}"
+    assert not differ, f"cpu_smoke.yaml disagrees with vlm_grpo.cli.demo.DEMO (yaml, DEMO): {differ}"
     for key in SHORTENED - {"output_dir"}:
         assert 0 < recipe[key] < demo[key], key
 
@@ -62,7 +62,7 @@ def test_example_script_and_notebook_read_the_demo_rather_than_repeat_it():
     notebook = nbformat.reads(_read("examples/notebooks/image_reasoning_grpo.ipynb"), as_version=4)
     code = "\n".join(cell.source for cell in notebook.cells if cell.cell_type == "code")
     for source in (script, code):
-        assert "from vlm_grpo.demo import DEMO" in source
+        assert "from vlm_grpo.cli.demo import DEMO" in source
         for setting in ("DEMO.learning_rate", "DEMO.num_generations", "DEMO.max_completion_length"):
             assert setting in source, setting
         code_only = "\n".join(line.split("#")[0] for line in source.splitlines())  # comments may name it

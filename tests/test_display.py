@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from vlm_grpo.data import make_visual_reasoning_dataset
-from vlm_grpo.display import CompletionTable
+from vlm_grpo.training.display import CompletionTable
 
 
 def _table(thumbnail: int = 32) -> CompletionTable:

@@ -1,4 +1,4 @@
-"""`vlm_grpo.dynamic_sampling`: batches of groups whose rewards differ, drawn in the trainer's prompt order.
+"""`vlm_grpo.training.dynamic_sampling`: batches of groups whose rewards differ, drawn in the trainer's prompt order.
 
 The rewards here are chosen so the informative groups are known in advance: a reward that differs within a group
 for the prompts of a given set of ids and is constant for the others. Every check runs the real trainer on a tiny
@@ -15,11 +15,11 @@ import pytest
 import torch
 from trl.trainer.utils import RepeatSampler
 
-from vlm_grpo.config import VLMGRPOConfig
 from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
-from vlm_grpo.dynamic_sampling import NoRewardVariance, PromptStream, informative_groups, resume_batches
-from vlm_grpo.model import FastVisionModel
-from vlm_grpo.trainer import VLMGRPOTrainer
+from vlm_grpo.models.loader import FastVisionModel
+from vlm_grpo.training.config import VLMGRPOConfig
+from vlm_grpo.training.dynamic_sampling import NoRewardVariance, PromptStream, informative_groups, resume_batches
+from vlm_grpo.training.trainer import VLMGRPOTrainer
 
 COLORS = answer_words("color", 1)
 G = 2  # completions per prompt in the trainer tests
@@ -188,7 +188,7 @@ def test_the_round_cap_fills_the_batch_with_zero_std_groups_and_says_so(tiny_dir
     first_round = _order(probe)[:4]
     rewards = Rewards(lambda i: i == first_round[2])  # one informative group in the first round
     trainer = _trainer(tiny_dir, tmp_path, rewards, model=probe.model, max_sampling_rounds=1)
-    with caplog.at_level(logging.WARNING, logger="vlm_grpo.dynamic_sampling"):
+    with caplog.at_level(logging.WARNING, logger="vlm_grpo.training.dynamic_sampling"):
         batch = _fill(trainer)
         _fill(trainer)
     assert [i for _, i in rewards.seen][:4] == first_round
@@ -217,7 +217,7 @@ def test_a_saturated_batch_later_in_the_run_is_trained_with_a_warning(tiny_dir, 
     trainer = _trainer(tiny_dir, tmp_path, rewards, max_sampling_rounds=2)
     _fill(trainer)
     rewards.graded = lambda i: False  # the task saturates: every completion now earns the same reward
-    with caplog.at_level(logging.WARNING, logger="vlm_grpo.dynamic_sampling"):
+    with caplog.at_level(logging.WARNING, logger="vlm_grpo.training.dynamic_sampling"):
         batch = _fill(trainer)
     assert not batch["advantages"].any() and batch["prompt_ids"].shape[0] == 8
     assert trainer._metrics["train"]["dynamic_sampling/groups_kept"][-1] == 0.0

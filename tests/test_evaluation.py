@@ -3,9 +3,9 @@ import math
 import pytest
 
 from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
-from vlm_grpo.evaluation import evaluate, pass_at_k, sample_completions
-from vlm_grpo.model import FastVisionModel
+from vlm_grpo.models.loader import FastVisionModel
 from vlm_grpo.rewards import make_choice_reward
+from vlm_grpo.training.evaluation import evaluate, pass_at_k, sample_completions
 
 
 def test_pass_at_k_matches_the_combinatorial_definition():
@@ -88,8 +88,8 @@ def test_evaluate_needs_a_reward(tiny_dir):
 
 def test_package_level_evaluate_is_the_function_even_after_submodule_imports():
     import vlm_grpo
-    import vlm_grpo.cli  # imports vlm_grpo.evaluation
-    from vlm_grpo.evaluation import evaluate as function
+    import vlm_grpo.cli.command  # imports vlm_grpo.training.evaluation
+    from vlm_grpo.training.evaluation import evaluate as function
 
     assert vlm_grpo.evaluate is function and callable(vlm_grpo.evaluate)
 

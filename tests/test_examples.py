@@ -14,7 +14,7 @@ import yaml
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
-from vlm_grpo.cli import parse_args
+from vlm_grpo.cli.command import parse_args
 from vlm_grpo.data import TASKS
 from vlm_grpo.rewards import resolve_reward
 

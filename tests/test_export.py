@@ -7,8 +7,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from vlm_grpo.export import atomic_directory
-from vlm_grpo.model import FastVisionModel
+from vlm_grpo.models.export import atomic_directory
+from vlm_grpo.models.loader import FastVisionModel
 
 
 @pytest.fixture

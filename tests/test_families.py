@@ -18,8 +18,8 @@ from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPI
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
 
-from vlm_grpo import cli, hooks, lora_selection, tiny
-from vlm_grpo import model as model_module
+from vlm_grpo import tiny
+from vlm_grpo.cli import command as cli
 from vlm_grpo.compat import cache_kwarg
 from vlm_grpo.families import (
     FAMILIES,
@@ -31,12 +31,14 @@ from vlm_grpo.families import (
     projector_names,
     vision_tower_names,
 )
-from vlm_grpo.hooks import find_vision_tower
 from vlm_grpo.media.pixel_budget import resizes_by_pixel_budget
 from vlm_grpo.media.processing import check_video_support
 from vlm_grpo.media.processor import QWEN_PROCESSORS, build_qwen_processor, load_processor
 from vlm_grpo.media.standins import has_torchvision
-from vlm_grpo.model import FastVisionModel
+from vlm_grpo.models import hooks, lora_selection
+from vlm_grpo.models import loader as model_module
+from vlm_grpo.models.hooks import find_vision_tower
+from vlm_grpo.models.loader import FastVisionModel
 from vlm_grpo.rewards.grounding import FRAMES, coordinate_frame_for
 
 ALL = list(FAMILIES)

@@ -13,10 +13,10 @@ import pytest
 from datasets import Dataset
 from PIL import Image
 
-from vlm_grpo.evaluation import evaluate
 from vlm_grpo.families import FAMILIES
-from vlm_grpo.model import FastVisionModel
-from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+from vlm_grpo.models.loader import FastVisionModel
+from vlm_grpo.training.evaluation import evaluate
+from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
 TRAINED_FAMILIES = [
     "qwen2_5_vl", "qwen3_vl", "gemma3", "idefics3", "llava_onevision", "paligemma", "glm4v", "glm46v", "internvl",

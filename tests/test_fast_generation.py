@@ -16,9 +16,9 @@ from PIL import Image
 from trl.data_utils import prepare_multimodal_messages
 from trl.trainer.grpo_trainer import GRPOTrainer
 
-from vlm_grpo.model import FastVisionModel
-from vlm_grpo.rows import prepare_row
-from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+from vlm_grpo.data.rows import prepare_row
+from vlm_grpo.models.loader import FastVisionModel
+from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3", "idefics3", "qwen3_5", "qwen3_5_moe", "lfm2_vl",
             "llava_onevision", "paligemma", "glm4v", "glm46v", "internvl", "smolvlm", "mistral3"]  # fmt: skip
@@ -176,7 +176,7 @@ def test_a_batch_the_fast_path_cannot_serve_falls_back_once_with_the_reason(
 ):
     trainer = _trainer(tiny_dir, tmp_path, family, **settings)
     trainer.args.max_steps = 2
-    with caplog.at_level(logging.WARNING, logger="vlm_grpo.trainer"):
+    with caplog.at_level(logging.WARNING, logger="vlm_grpo.training.trainer"):
         trainer.train()
     messages = [r.getMessage() for r in caplog.records if "Fast generation is off" in r.getMessage()]
     assert len(messages) == 1 and reason in messages[0]

@@ -19,8 +19,8 @@ from PIL import Image
 from safetensors.torch import load_file
 from test_cli import RESUMABLE, TINY_RUN, _assert_continues, _assert_ok, _console_script, _metrics, _tree, vlm_grpo
 
-from vlm_grpo.checkpoint_writes import explain_write_failure
-from vlm_grpo.checkpoints import checkpoint_dirs, incomplete_reason
+from vlm_grpo.training.checkpoint_writes import explain_write_failure
+from vlm_grpo.training.checkpoints import checkpoint_dirs, incomplete_reason
 
 
 @pytest.fixture(scope="module")

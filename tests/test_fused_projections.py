@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vlm_grpo.engine.fused_projections import PROJECTIONS, FusedQKV, fusable_sites
-from vlm_grpo.model import FastVisionModel
+from vlm_grpo.models.loader import FastVisionModel
 
 
 def _model(tiny_dir, family="qwen2_5_vl", **lora):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vlm_grpo.engine.generation_copy import GenerationCopy
-from vlm_grpo.model import FastVisionModel
+from vlm_grpo.models.loader import FastVisionModel
 
 
 @pytest.fixture

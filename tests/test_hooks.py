@@ -3,14 +3,14 @@ import torch
 from conftest import image_batch, lora_b_grads
 from transformers.modeling_outputs import BaseModelOutput, CausalLMOutputWithPast
 
-from vlm_grpo.hooks import (
+from vlm_grpo.models.hooks import (
     disable_requires_grad_hooks,
     enable_requires_grad_hooks,
     replace_stale_input_grads_hooks,
     requires_grad_post_hook,
     requires_grad_pre_hook,
 )
-from vlm_grpo.model import FastVisionModel
+from vlm_grpo.models.loader import FastVisionModel
 from vlm_grpo.tiny import TINY_FAMILIES
 
 

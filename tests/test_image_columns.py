@@ -13,8 +13,8 @@ from datasets import Dataset
 from PIL import Image
 
 from vlm_grpo.data.load import DatasetError, load_dataset_rows
+from vlm_grpo.data.rows import check_dataset
 from vlm_grpo.media.columns import holds_images, looks_like_image
-from vlm_grpo.rows import check_dataset
 
 
 def _png(i: int) -> bytes:

@@ -7,10 +7,10 @@ import io
 import pytest
 from PIL import Image
 
+from vlm_grpo.data.rows import add_image_sizes, prepare_row
 from vlm_grpo.media.pixel_budget import PixelBudget, apply_pixel_budget
 from vlm_grpo.media.processor import load_processor
 from vlm_grpo.rewards import make_iou_reward
-from vlm_grpo.rows import add_image_sizes, prepare_row
 
 
 def test_rows_get_source_and_fed_sizes_and_the_reward_maps_back(tiny_dir) -> None:
@@ -48,8 +48,8 @@ def test_source_size_is_the_datasets_even_when_the_image_was_fitted_first(tiny_d
 @pytest.mark.trains
 def test_trainer_hands_the_sizes_to_reward_functions(tiny_dir, tmp_path) -> None:
     from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
-    from vlm_grpo.model import FastVisionModel
-    from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+    from vlm_grpo.models.loader import FastVisionModel
+    from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
     model, processor = FastVisionModel.from_pretrained(
         tiny_dir("qwen2_5_vl", words=answer_words("color", 1)), full_finetuning=True

@@ -23,7 +23,7 @@ needs_zoo = pytest.mark.skipif(
 
 def test_importing_vlm_grpo_never_imports_unsloth_zoo():
     code = (
-        "import sys, vlm_grpo, vlm_grpo.trainer, vlm_grpo.model, vlm_grpo.rewards, vlm_grpo.cli, vlm_grpo.evaluation\n"
+        "import sys, vlm_grpo, vlm_grpo.training.trainer, vlm_grpo.models.loader, vlm_grpo.rewards, vlm_grpo.cli.command, vlm_grpo.training.evaluation\n"
         "import vlm_grpo.integrations.unsloth\n"
         "from vlm_grpo import VLMGRPOTrainer, FastVisionModel\n"
         "print([m for m in sys.modules if m.startswith(('unsloth', 'unsloth_zoo'))])\n"
@@ -57,7 +57,7 @@ def _peft_tiny(tiny_dir, reentrant=True):
     from transformers import AutoModelForImageTextToText
 
     from vlm_grpo.media.processor import load_processor
-    from vlm_grpo.model import select_lora_modules
+    from vlm_grpo.models.loader import select_lora_modules
 
     path = tiny_dir("qwen2_5_vl")
     model = AutoModelForImageTextToText.from_pretrained(path)
@@ -103,7 +103,7 @@ def test_patch_is_idempotent_and_rebinds_earlier_imports(peft_utils):
 def test_trainer_replaces_hooks_unsloth_registered_before_the_patch(peft_utils, tiny_dir, tmp_path, caplog):
     from vlm_grpo.data import make_visual_reasoning_dataset
     from vlm_grpo.integrations.unsloth import is_patched
-    from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+    from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
     model, processor = _peft_tiny(tiny_dir)
     peft_utils.requires_grad_for_gradient_checkpointing(model)  # Unsloth's own hooks, unpatched

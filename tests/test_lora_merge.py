@@ -10,7 +10,7 @@ from test_fast_generation import ROWS, _batch, _fast, _plain, _trainer
 
 from vlm_grpo.engine.fast_generation import FastGenerator
 from vlm_grpo.engine.lora_merge import BaseWeightBackup, choose_backup, merged_lora
-from vlm_grpo.model import FastVisionModel
+from vlm_grpo.models.loader import FastVisionModel
 
 
 def test_merged_lora_generates_like_the_adapter_and_restores_weights_bit_exactly(tiny_dir, tmp_path):

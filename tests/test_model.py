@@ -8,8 +8,8 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText
 
 from vlm_grpo.compat import enable_checkpointing
-from vlm_grpo.model import FastBaseVisionModel, FastVisionModel, select_lora_modules
-from vlm_grpo.modes import checkpointing_mode
+from vlm_grpo.models.loader import FastBaseVisionModel, FastVisionModel, select_lora_modules
+from vlm_grpo.models.modes import checkpointing_mode
 from vlm_grpo.tiny import TINY_FAMILIES
 
 LANG_ATTN = {f"model.language_model.layers.N.self_attn.{p}_proj" for p in "qkvo"}
@@ -284,7 +284,7 @@ def test_text_only_checkpoint_is_rejected(tmp_path):
 @pytest.mark.parametrize("flag", ["load_in_4bit", "load_in_8bit"])
 def test_quantisation_on_a_cpu_bitsandbytes_cannot_serve_is_refused(tiny_dir, flag, monkeypatch):
     pytest.importorskip("bitsandbytes")
-    import vlm_grpo.model as model_module
+    import vlm_grpo.models.loader as model_module
 
     # bitsandbytes < 0.46 is CUDA-only; the probe that tells is what answers for it here.
     monkeypatch.setattr(model_module, "_bitsandbytes_runs_on_cpu", lambda: False)
@@ -295,7 +295,7 @@ def test_quantisation_on_a_cpu_bitsandbytes_cannot_serve_is_refused(tiny_dir, fl
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks loading on the CPU")
 def test_4bit_loads_on_a_cpu_where_bitsandbytes_runs_there(tiny_dir):
     pytest.importorskip("bitsandbytes")
-    from vlm_grpo.model import _bitsandbytes_runs_on_cpu
+    from vlm_grpo.models.loader import _bitsandbytes_runs_on_cpu
 
     if not _bitsandbytes_runs_on_cpu():
         pytest.skip("this bitsandbytes has no CPU backend (< 0.46)")
@@ -307,7 +307,7 @@ def test_4bit_loads_on_a_cpu_where_bitsandbytes_runs_there(tiny_dir):
 def test_quantisation_without_bitsandbytes_names_the_extra(tiny_dir, monkeypatch):
     import builtins
 
-    import vlm_grpo.model as model_module
+    import vlm_grpo.models.loader as model_module
 
     real_import = builtins.__import__
 
@@ -351,7 +351,7 @@ def test_lora_bad_arguments(tiny_dir):
 def test_quantisation_skips_vision_projector_and_head_by_full_name(tiny_dir, family, expected):
     from transformers import AutoConfig
 
-    from vlm_grpo.model import _bnb_config, _unquantised_modules
+    from vlm_grpo.models.loader import _bnb_config, _unquantised_modules
 
     config = AutoConfig.from_pretrained(tiny_dir(family))
     assert _unquantised_modules(config) == expected

@@ -11,7 +11,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from vlm_grpo.model import FastVisionModel
+from vlm_grpo.models.loader import FastVisionModel
 from vlm_grpo.private_api import (
     FUSED_LM_HEAD_KEYWORDS,
     OVERRIDDEN,
@@ -19,7 +19,7 @@ from vlm_grpo.private_api import (
     PrivateMethod,
     signature_drift,
 )
-from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
 
 def test_every_private_method_has_the_signature_it_was_tested_with():

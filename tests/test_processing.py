@@ -1,6 +1,7 @@
 import torch
 from PIL import Image
 
+from vlm_grpo.data.rows import prepare_row
 from vlm_grpo.media.processing import (
     ROW_VISION_KEYS,
     holds_clips,
@@ -8,8 +9,7 @@ from vlm_grpo.media.processing import (
     row_vision_inputs,
     tokenize_clip_prompts,
 )
-from vlm_grpo.model import FastVisionModel
-from vlm_grpo.rows import prepare_row
+from vlm_grpo.models.loader import FastVisionModel
 
 
 def _frames(colour, n=4, side=56):

@@ -1,4 +1,4 @@
-"""`vlm_grpo.prompts`: the one set of rules the trainer's rows, dataset loading and the synthetic tasks share."""
+"""`vlm_grpo.data.prompts`: the one set of rules the trainer's rows, dataset loading and the synthetic tasks share."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from PIL import Image
 
 from vlm_grpo.data.load import DatasetError, load_grpo_dataset
+from vlm_grpo.data.prompts import apply_template, user_content, with_system
+from vlm_grpo.data.rows import prepare_row
 from vlm_grpo.media.columns import image_column
-from vlm_grpo.prompts import apply_template, user_content, with_system
-from vlm_grpo.rows import prepare_row
 
 
 def test_placeholders_place_the_images_and_keep_the_text_as_written():
@@ -56,8 +56,8 @@ def test_both_image_columns_are_refused_not_guessed(tmp_path):
 
 
 def test_video_placeholders_and_blocks_are_placed_like_images():
+    from vlm_grpo.data.prompts import place_media
     from vlm_grpo.media.columns import video_column
-    from vlm_grpo.prompts import place_media
 
     assert user_content("<video> then <image>?") == [
         {"type": "video"}, {"type": "text", "text": " then "}, {"type": "image"}, {"type": "text", "text": "?"},

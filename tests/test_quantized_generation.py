@@ -15,14 +15,14 @@ from test_fast_generation import ROWS, _batch, _fast, _plain, _zero_reward
 
 from vlm_grpo.engine.fast_generation import FastGenerator, FastPathUnavailable
 from vlm_grpo.engine.quantized_generation import QuantizedLayers, choose_mode, has_quantized_layers, is_quantized_linear
-from vlm_grpo.model import FastVisionModel
-from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+from vlm_grpo.models.loader import FastVisionModel
+from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
 bnb = pytest.importorskip("bitsandbytes", reason="the quantised fast path needs bitsandbytes (`pip install .[quant]`)")
 
 
 def _bnb_runs_on_cpu() -> bool:
-    from vlm_grpo.model import _bitsandbytes_runs_on_cpu
+    from vlm_grpo.models.loader import _bitsandbytes_runs_on_cpu
 
     return torch.cuda.is_available() or _bitsandbytes_runs_on_cpu()
 

@@ -1,6 +1,6 @@
 import pytest
 
-from vlm_grpo.reward_checks import RewardFunctionError, checked_reward_func
+from vlm_grpo.rewards.checks import RewardFunctionError, checked_reward_func
 
 
 def test_valid_rewards_pass_through_with_name_and_signature():

@@ -1,4 +1,4 @@
-"""`vlm_grpo.rollout_batch`: TRL's scored rollout batches cut to some rows and joined.
+"""`vlm_grpo.training.rollout_batch`: TRL's scored rollout batches cut to some rows and joined.
 
 The check is the model: every row of a joined batch must score (TRL's own per-row log-probs) as it did in its own
 batch, on every tiny family (each lays its vision tensors out its own way) and with parts of different widths.
@@ -15,10 +15,10 @@ from trl import GRPOTrainer
 from vlm_grpo.data import answer_words
 from vlm_grpo.families import family_of
 from vlm_grpo.media.batch_layout import LayoutUnknown
-from vlm_grpo.model import FastVisionModel
-from vlm_grpo.rollout_batch import concat_rollouts, loss_token_count, select_rollouts
+from vlm_grpo.models.loader import FastVisionModel
 from vlm_grpo.tiny import TINY_FAMILIES
-from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+from vlm_grpo.training.rollout_batch import concat_rollouts, loss_token_count, select_rollouts
+from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
 COLORS = answer_words("color", 1)
 MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "token_type_ids",

@@ -5,8 +5,8 @@ from datasets import Dataset
 from datasets import Image as ImageFeature
 from PIL import Image
 
+from vlm_grpo.data.rows import check_dataset, count_image_placeholders, prepare_row, source_image_sizes
 from vlm_grpo.media.pixel_budget import PixelBudget
-from vlm_grpo.rows import check_dataset, count_image_placeholders, prepare_row, source_image_sizes
 
 
 def _png(size=(20, 10), color=(0, 128, 255)):
@@ -143,7 +143,7 @@ def test_every_row_becomes_an_images_list():
 
 
 def test_rows_for_rewards_give_back_the_dataset_format():
-    from vlm_grpo.rows import rows_for_rewards
+    from vlm_grpo.data.rows import rows_for_rewards
 
     chat = [{"role": "user", "content": "Chat?"}]
     rows = [prepare_row({"prompt": "<image>Colour?", "image": _img(), "answer": "red"}),
@@ -168,8 +168,8 @@ def _clip(n=4, size=(28, 28)):
 
 
 def test_a_row_with_clips_gets_every_image_and_clip_placed_in_its_prompt():
+    from vlm_grpo.data.rows import dataset_row, row_clips, row_images
     from vlm_grpo.media.clips import Clip
-    from vlm_grpo.rows import dataset_row, row_clips, row_images
 
     row = {"prompt": "Compare <image> with <video>.", "image": _img(), "video": _clip(), "answer": "left"}
     prepared = prepare_row(row)

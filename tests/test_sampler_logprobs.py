@@ -10,9 +10,9 @@ from conftest import colour_rows
 from datasets import Dataset
 
 from vlm_grpo.compat import checkpointing_settings
-from vlm_grpo.model import FastVisionModel
-from vlm_grpo.sampler_logprobs import MASKED_METRIC
-from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+from vlm_grpo.models.loader import FastVisionModel
+from vlm_grpo.training.sampler_logprobs import MASKED_METRIC
+from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
 
 def _varied(prompts, completions, **kwargs):
@@ -33,7 +33,7 @@ def test_a_batch_the_mask_zeroes_whole_is_logged_and_said(tiny_dir, tmp_path, ca
     )  # fmt: skip
     trainer = VLMGRPOTrainer(model, [_varied], args=args, train_dataset=Dataset.from_list(rows),
                              processing_class=processor)  # fmt: skip
-    with caplog.at_level(logging.WARNING, logger="vlm_grpo.sampler_logprobs"):
+    with caplog.at_level(logging.WARNING, logger="vlm_grpo.training.sampler_logprobs"):
         trainer.train()
     logged = [h[MASKED_METRIC] for h in trainer.state.log_history if MASKED_METRIC in h]
     assert logged == [masked]  # ratios ~1 (the fast path scores what it sampled): all above 0.5, none above 3

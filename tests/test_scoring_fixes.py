@@ -19,8 +19,8 @@ from PIL import Image
 from trl import GRPOTrainer
 
 from vlm_grpo.blocked_tokens import scoring_as_sampled
-from vlm_grpo.model import FastVisionModel
-from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+from vlm_grpo.models.loader import FastVisionModel
+from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
 RED, BLUE = Image.new("RGB", (56, 56), (255, 0, 0)), Image.new("RGB", (84, 56), (0, 0, 255))
 TALL = Image.new("RGB", (28, 112), (0, 255, 0))  # fed to the tiny Pixtral as 16 x 32 (its 16 px merged patches)

@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from vlm_grpo.engine.sharded import full_weights, sharding, unsupported_reason
-from vlm_grpo.generation_route import compile_setting as _compile_default
+from vlm_grpo.models.sharded import full_weights, sharding, unsupported_reason
+from vlm_grpo.training.generation_route import compile_setting as _compile_default
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -160,7 +160,7 @@ def test_two_machines_on_one_host_train_as_one_ddp_run(tmp_path):
 
 
 def test_unsharded_models_pass_through_full_weights(tiny_dir):
-    from vlm_grpo.model import FastVisionModel
+    from vlm_grpo.models.loader import FastVisionModel
 
     model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
     assert sharding(model) is None and unsupported_reason(model) is None
@@ -171,7 +171,7 @@ def test_unsharded_models_pass_through_full_weights(tiny_dir):
 
 
 def test_fast_generation_compile_defaults_off_for_sharded_models():
-    from vlm_grpo.trainer import VLMGRPOConfig
+    from vlm_grpo.training.trainer import VLMGRPOConfig
 
     args = VLMGRPOConfig(output_dir="unused", use_cpu=True, report_to="none")
     assert _compile_default(args, sharded=True) is False  # recompiling at every step's fresh gather costs more

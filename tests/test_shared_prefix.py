@@ -14,11 +14,11 @@ from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
 from vlm_grpo.engine.adapters_off import AdaptersOff
 from vlm_grpo.engine.shared_prefix import unsupported_reason
 from vlm_grpo.families import family_of
-from vlm_grpo.hooks import find_vision_tower
-from vlm_grpo.model import FastVisionModel
-from vlm_grpo.modes import is_checkpointing
+from vlm_grpo.models.hooks import find_vision_tower
+from vlm_grpo.models.loader import FastVisionModel
+from vlm_grpo.models.modes import is_checkpointing
 from vlm_grpo.tiny import TINY_FAMILIES
-from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
 COLORS = answer_words("color", 1)
 MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "token_type_ids",
@@ -276,7 +276,7 @@ def _clip_trainer(tiny_dir, tmp_path, family, lora="both"):
 
 
 def _clip_batch(trainer):
-    from vlm_grpo.trainer import VISION_ROWS
+    from vlm_grpo.training.trainer import VISION_ROWS
 
     torch.manual_seed(0)
     inputs = trainer._generate_and_score_completions(_clip_rows())
@@ -290,7 +290,7 @@ def _clip_batch(trainer):
 @pytest.mark.trains
 @pytest.mark.parametrize("family", VIDEO_FAMILIES)
 def test_clips_logps_loss_and_every_gradient_match_the_plain_path(tiny_dir, tmp_path, family):
-    from vlm_grpo.trainer import VISION_ROWS
+    from vlm_grpo.training.trainer import VISION_ROWS
 
     trainer = _clip_trainer(tiny_dir, tmp_path, family)
     inputs = _clip_batch(trainer)

@@ -1,10 +1,11 @@
-"""vlm_grpo.task: the training rows, held-out rows and rewards bundled; each synthetic task scores its own answers."""
+"""vlm_grpo.cli.task: the training rows, held-out rows and rewards bundled; each synthetic task scores its own answers."""
 
 import json
 
 import pytest
 from PIL import Image
 
+from vlm_grpo.cli.task import SYNTHETIC_REWARDS, Task, dataset_task, default_accuracy, synthetic_task
 from vlm_grpo.data import TASKS
 from vlm_grpo.data.load import DatasetError
 from vlm_grpo.rewards import (
@@ -16,7 +17,6 @@ from vlm_grpo.rewards import (
     think_answer_format,
     think_format_reward,
 )
-from vlm_grpo.task import SYNTHETIC_REWARDS, Task, dataset_task, default_accuracy, synthetic_task
 
 
 def test_every_synthetic_task_has_its_own_reward():

@@ -29,7 +29,7 @@ def test_the_optional_kernels_package_missing_is_not_reported_but_other_causes_a
 
 def test_importing_the_trainer_prints_nothing():
     # PEFT imports bitsandbytes when it is installed (the dev extras install it): its import warning is the case.
-    proc = subprocess.run([sys.executable, "-c", "import vlm_grpo.trainer"], check=False, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", "import vlm_grpo.training.trainer"], check=False, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
     assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == "", proc.stderr
 

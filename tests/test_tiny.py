@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
-from vlm_grpo.model import FastVisionModel
+from vlm_grpo.models.loader import FastVisionModel
 from vlm_grpo.tiny import MAX_LEARNABLE_WORDS, TINY_FAMILIES, build_tiny_vlm, offline_learning_note, split_words
 
 EXPECTED_TYPES = {

@@ -19,14 +19,14 @@ from datasets import Dataset
 from PIL import Image
 from transformers.utils import get_json_schema
 
-from vlm_grpo.cli import main
+from vlm_grpo.cli.command import main
+from vlm_grpo.data.rows import prepare_row, source_images
 from vlm_grpo.media.pixel_budget import PixelBudget
-from vlm_grpo.model import FastVisionModel
-from vlm_grpo.rows import prepare_row, source_images
+from vlm_grpo.models.loader import FastVisionModel
 from vlm_grpo.tools import MAX_PIXELS, ImageTools, crop_image, image_tools, rotate_image, zoom_image
 from vlm_grpo.tools.rollouts import MALFORMED_METRIC
 from vlm_grpo.tools.templates import QWEN2_5_VL_TOOL_TEMPLATE, prepare_tool_template
-from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
 # TRL's notice that `environment_factory` is experimental, once per trainer.
 pytestmark = pytest.mark.filterwarnings("ignore:You are using 'environment_factory':UserWarning")

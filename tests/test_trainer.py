@@ -13,12 +13,12 @@ from vlm_grpo.blocked_tokens import scoring_as_sampled
 from vlm_grpo.compat import checkpointing_from_args, checkpointing_settings, enable_checkpointing
 from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
 from vlm_grpo.engine.adapters_off import AdaptersOff
-from vlm_grpo.evaluation import evaluate
-from vlm_grpo.model import FastVisionModel
-from vlm_grpo.modes import generating
-from vlm_grpo.reward_checks import RewardFunctionError
+from vlm_grpo.models.loader import FastVisionModel
+from vlm_grpo.models.modes import generating
 from vlm_grpo.rewards import make_choice_reward
-from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+from vlm_grpo.rewards.checks import RewardFunctionError
+from vlm_grpo.training.evaluation import evaluate
+from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
 COLORS = answer_words("color", 1)
 choice = make_choice_reward(COLORS)
@@ -75,7 +75,7 @@ def test_learns_colour_task_from_random_init(tiny_dir, tmp_path, family, steps, 
     test = make_visual_reasoning_dataset("color", 64, seed=0, split="test")
     model, processor = _model(tiny_dir, family)
     before = evaluate(model, processor, test, [choice], max_new_tokens=4)["accuracy"]
-    # The demo's recipe (vlm_grpo.demo.DEMO): 4 prompts x 16 generations, lr 5e-4.
+    # The demo's recipe (vlm_grpo.cli.demo.DEMO): 4 prompts x 16 generations, lr 5e-4.
     config = _config(tmp_path, per_device_train_batch_size=64, num_generations=16, max_steps=steps, logging_steps=50)
     trainer = VLMGRPOTrainer(model, [choice], args=config, train_dataset=train, processing_class=processor)
     trainer.train()
@@ -564,7 +564,7 @@ def test_frozen_model_is_refused_naming_both_fixes(tiny_dir, tmp_path):
 
 @pytest.mark.trains
 def test_checkpointing_is_back_for_training_after_evaluation(tiny_dir, tmp_path):
-    from vlm_grpo.modes import is_checkpointing
+    from vlm_grpo.models.modes import is_checkpointing
 
     model, processor = _model(tiny_dir, peft=True)
     dataset = make_visual_reasoning_dataset("color", 16, seed=0)
@@ -590,7 +590,7 @@ def test_checkpointing_is_back_for_training_after_evaluation(tiny_dir, tmp_path)
 
 def _checkpointing_recorder(forwards: list):
     """A VLMGRPOTrainer that records (training?, checkpointing mode) at every loss forward."""
-    from vlm_grpo.modes import checkpointing_mode
+    from vlm_grpo.models.modes import checkpointing_mode
 
     class Recorder(VLMGRPOTrainer):
         def compute_loss(self, model, inputs, *args, **kwargs):
@@ -604,7 +604,7 @@ def _checkpointing_recorder(forwards: list):
 @pytest.mark.trains
 def test_checkpointing_off_survives_evaluate_and_training(tiny_dir, tmp_path):
     # Issue 26: evaluate() used to hand the model back with checkpointing on, and the trainer then read it off the model.
-    from vlm_grpo.modes import checkpointing_mode
+    from vlm_grpo.models.modes import checkpointing_mode
 
     model, processor = FastVisionModel.from_pretrained(
         tiny_dir("qwen2_5_vl", words=COLORS), full_finetuning=True, use_gradient_checkpointing=False
@@ -623,7 +623,7 @@ def test_checkpointing_off_survives_evaluate_and_training(tiny_dir, tmp_path):
 
 
 def test_reentrant_checkpointing_survives_evaluate_unchanged(tiny_dir):
-    from vlm_grpo.modes import ModelMode, checkpointing_mode
+    from vlm_grpo.models.modes import ModelMode, checkpointing_mode
 
     model, processor = _model(tiny_dir, peft=True, use_gradient_checkpointing="reentrant")
     model.eval()
@@ -636,11 +636,11 @@ def test_reentrant_checkpointing_survives_evaluate_unchanged(tiny_dir):
 def test_the_configs_checkpointing_wins_over_the_models(tiny_dir, tmp_path, caplog):
     # The args are the truth (as transformers' Trainer treats them): a model that arrives checkpointing trains
     # without it when the config says off, said in one log line; and generation gives that mode back.
-    from vlm_grpo.modes import checkpointing_mode
+    from vlm_grpo.models.modes import checkpointing_mode
 
     model, processor = _model(tiny_dir, peft=True, use_gradient_checkpointing=False)
     enable_checkpointing(model, {"use_reentrant": True})  # switched on outside FastVisionModel
-    with caplog.at_level("WARNING", logger="vlm_grpo.trainer"):
+    with caplog.at_level("WARNING", logger="vlm_grpo.training.trainer"):
         trainer = VLMGRPOTrainer(
             model, [choice], args=_config(tmp_path, **checkpointing_settings(False)),
             train_dataset=make_visual_reasoning_dataset("color", 8, seed=0), processing_class=processor,

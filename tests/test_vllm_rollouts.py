@@ -15,8 +15,8 @@ from datasets import Dataset
 
 from vlm_grpo.compat import checkpointing_settings
 from vlm_grpo.engine.vllm_rollouts import check_expansion, collapse_placeholders, engine_settings
-from vlm_grpo.model import FastVisionModel
-from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+from vlm_grpo.models.loader import FastVisionModel
+from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
 
 def _reward(prompts, completions, **kwargs):

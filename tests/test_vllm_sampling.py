@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from vlm_grpo.blocked_tokens import blocked_ids
-from vlm_grpo.config import VLMGRPOConfig
 from vlm_grpo.engine.vllm_sampling import _vllm_bad_word_ids, placeholder_ids, vllm_sampling
 from vlm_grpo.families import core_model
-from vlm_grpo.model import FastVisionModel
+from vlm_grpo.models.loader import FastVisionModel
+from vlm_grpo.training.config import VLMGRPOConfig
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,15 @@ import json
 import pytest
 import torch
 
-from vlm_grpo.cli import main
+from vlm_grpo.cli.command import main
+from vlm_grpo.cli.task import synthetic_task
 from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
-from vlm_grpo.evaluation import evaluate_with_tools
 from vlm_grpo.media.pixel_budget import pixel_budget_for_call
-from vlm_grpo.model import FastVisionModel
-from vlm_grpo.task import synthetic_task
+from vlm_grpo.models.loader import FastVisionModel
 from vlm_grpo.tools import image_tools
 from vlm_grpo.tools.warm_start import demonstration_box, tool_trace, tool_warm_start
-from vlm_grpo.trainer import VLMGRPOConfig, VLMGRPOTrainer
+from vlm_grpo.training.evaluation import evaluate_with_tools
+from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:You are using 'environment_factory':UserWarning")
 

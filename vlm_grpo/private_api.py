@@ -6,7 +6,7 @@ the package to names outside their libraries' public API. Those names move betwe
 training run. So here, and only here:
 - `OVERRIDDEN`: the TRL methods `VLMGRPOTrainer` overrides, with the parameters TRL calls them with;
 - `CALLED`: the transformers methods the engine calls, with the parameters it passes;
-- `CHECKPOINT_LOADING`: the transformers function resuming a checkpoint calls (`vlm_grpo.checkpoints`);
+- `CHECKPOINT_LOADING`: the transformers function resuming a checkpoint calls (`vlm_grpo.training.checkpoints`);
 - `TOOL_LOOP`: the TRL method that tokenizes a tool turn, which the tool warm start runs (`tool_suffix_ids`);
 - `TRAINER_ATTRIBUTES`: the TRL trainer attributes the trainer reads (read plainly, never `getattr(..., default)`,
   so a rename raises instead of silently reading the default);

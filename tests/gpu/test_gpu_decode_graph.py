@@ -30,7 +30,7 @@ def _setup(tiny_dir, tmp_path, **generation_kwargs):
     from trl.data_utils import prepare_multimodal_messages
 
     from vlm_grpo import FastVisionModel, VLMGRPOConfig, VLMGRPOTrainer
-    from vlm_grpo.rows import prepare_row
+    from vlm_grpo.data.rows import prepare_row
 
     model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
     model = FastVisionModel.get_peft_model(model, r=4)

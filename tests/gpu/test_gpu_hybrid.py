@@ -28,7 +28,7 @@ def test_recorded_decode_over_linear_attention_states(tiny_dir, tmp_path, family
     from trl.data_utils import prepare_multimodal_messages
 
     from vlm_grpo import FastVisionModel, VLMGRPOConfig, VLMGRPOTrainer
-    from vlm_grpo.rows import prepare_row
+    from vlm_grpo.data.rows import prepare_row
 
     model, processor = FastVisionModel.from_pretrained(tiny_dir(family))
     model = FastVisionModel.get_peft_model(model, r=4)

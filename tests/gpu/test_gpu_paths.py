@@ -158,9 +158,9 @@ def test_quantised_fast_generation_matches_the_bitsandbytes_layers(checkpoint, t
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     from vlm_grpo import FastVisionModel, VLMGRPOConfig, VLMGRPOTrainer
+    from vlm_grpo.data.rows import prepare_row
     from vlm_grpo.engine.fast_generation import FastGenerator
     from vlm_grpo.engine.quantized_generation import QuantizedLayers, is_quantized_linear
-    from vlm_grpo.rows import prepare_row
 
     model, processor = FastVisionModel.from_pretrained(checkpoint, **{f"load_in_{bits}bit": True})
     model = FastVisionModel.get_peft_model(model, r=16, init_lora_weights=False)  # an adapter that changes things

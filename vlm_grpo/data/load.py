@@ -13,7 +13,7 @@ columns kept (they reach the reward functions).
 Clips (`video` / `videos`, or the column `--video_column` names) may be a path to a video file, a path to a folder of
 frames, a list of frame paths (one clip), a list of video paths (`videos`: several clips), or bytes of a video file;
 paths are resolved against the file's (or folder's) directory, probed with the rows' images (a missing or unreadable
-clip skips its row, `vlm_grpo.rows.drop_unreadable_rows`), and decoded only at training time (`vlm_grpo.media.clips`).
+clip skips its row, `vlm_grpo.data.rows.drop_unreadable_rows`), and decoded only at training time (`vlm_grpo.media.clips`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any
 from ..media.columns import IMAGE_COLUMNS, VIDEO_COLUMNS
 from ..media.columns import image_column as prompt_image_column
 from ..media.columns import video_column as prompt_video_column
-from ..prompts import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, apply_template, user_content, with_system
-from ..reward_checks import ROW_ORIGIN
+from ..rewards.checks import ROW_ORIGIN
+from .prompts import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, apply_template, user_content, with_system
 from .sources import DatasetError, load_source, load_split
 
 __all__ = ["DatasetError", "DatasetRows", "load_dataset_rows", "load_grpo_dataset", "load_split", "to_grpo_rows"]
@@ -208,9 +208,9 @@ def load_grpo_dataset(
     image column named, the one column whose values are images is used, whatever its name (`find_image_column`).
 
     Rows whose images or clips are missing or unreadable are skipped before the split, named by their line in a JSON
-    Lines or CSV file (`vlm_grpo.rows.drop_unreadable_rows`: `check_images` decodes every image, else only files'
+    Lines or CSV file (`vlm_grpo.data.rows.drop_unreadable_rows`: `check_images` decodes every image, else only files'
     existence is checked; `skip_bad_rows=False` raises instead; `stop_hint` is how the messages say to do that).
-    `keep_origin` keeps each row's line of such a file ("data.jsonl line 7") in a `vlm_grpo.reward_checks.ROW_ORIGIN`
+    `keep_origin` keeps each row's line of such a file ("data.jsonl line 7") in a `vlm_grpo.rewards.checks.ROW_ORIGIN`
     column, so a reward that fails on a row names its line; reward functions never see that column."""
     loaded = load_dataset_rows(source, split, name=name, eval_split=eval_split, test_size=test_size, seed=seed,
                                check_images=check_images, skip_bad_rows=skip_bad_rows, stop_hint=stop_hint,

@@ -36,7 +36,7 @@ from torch import nn
 
 from ..families import core_model
 from ..integrations.unsloth import uses_unsloth
-from ..modes import checkpointing_mode
+from ..models.modes import checkpointing_mode
 from .quantized_generation import is_quantized_linear
 
 __all__ = ["COMPILED_CHILDREN", "CompiledLayers", "detach_all", "unsupported_reason"]

@@ -3,7 +3,7 @@
 Unsloth turns gradient checkpointing on through `unsloth_zoo.peft_utils.requires_grad_for_gradient_checkpointing`,
 which registers its own requires-grad hooks. Older releases put the post-hook on `output.loss`, which is None in
 GRPO (no labels), so vision LoRA got no gradient under checkpointing; that is why this package exists.
-`patch_unsloth_zoo()` swaps that function for one that registers `vlm_grpo.hooks` instead, so every Unsloth
+`patch_unsloth_zoo()` swaps that function for one that registers `vlm_grpo.models.hooks` instead, so every Unsloth
 version behaves the same. It also rebinds the name in modules that imported it already (Unsloth's
 `unsloth.models.vision` does `from unsloth_zoo.peft_utils import ...`), so the import order does not matter for
 models built afterwards. A model whose Unsloth hooks were registered before the patch is repaired by
@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from ..hooks import enable_requires_grad_hooks
+from ..models.hooks import enable_requires_grad_hooks
 
 __all__ = ["is_patched", "patch_unsloth_zoo", "replace_unsloth_hooks", "unpatch_unsloth_zoo", "uses_unsloth"]
 

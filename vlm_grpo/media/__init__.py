@@ -5,7 +5,7 @@ The floors of this package, each using only those below it:
 - `images` (load, normalise to upright 8-bit RGB) and `clips` (frames from lists, arrays, folders or video files);
 - `pixel_budget` (image area: the processor's own budget where it keeps one, images fitted once) and `video_budget`
   (which frames of a clip, at what size);
-- `row_media.load_row_media`: the one call a row makes for its media, loaded and fitted (`vlm_grpo.rows` places
+- `row_media.load_row_media`: the one call a row makes for its media, loaded and fitted (`vlm_grpo.data.rows` places
   them in the prompt); `checks.drop_unreadable_rows`: the rows whose media cannot be read, found before training;
 - `processor` (processors that load without torchvision; `video_processor`, Qwen-VL's video processor in PIL) and
   `processing` (prompts with images and clips through the processor in one call; TRL has no video path);

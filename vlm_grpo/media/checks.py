@@ -2,7 +2,7 @@
 
 A bad image or clip drops its row, logged and counted, so a long run never dies on row 93 412; more than
 `MAX_BAD_FRACTION` of a dataset bad is refused (the data looks wrong as a whole). The trainer's `check_dataset`
-(`vlm_grpo.rows`) and dataset loading (`vlm_grpo.data.load`, which names rows by their file lines) both call
+(`vlm_grpo.data.rows`) and dataset loading (`vlm_grpo.data.load`, which names rows by their file lines) both call
 `drop_unreadable_rows`.
 """
 

@@ -2,7 +2,7 @@
 
 A row's images are in `image` (one) or `images` (a list), its clips in `video` (one) or `videos` (a list); a dataset
 with both columns of a kind is refused, as either could be meant. A row already prepared for a batch with clips
-(`vlm_grpo.rows.prepare_row`) holds them in its prompt's content blocks instead.
+(`vlm_grpo.data.rows.prepare_row`) holds them in its prompt's content blocks instead.
 
 Under any other name, a column is known to hold images by what it holds (`holds_images`): image file paths or URLs,
 encoded image bytes, PIL images or `datasets`' `{"bytes", "path"}` dicts, one per row or a list; so a column called

@@ -57,7 +57,7 @@ def prompt_media(prompt: Any) -> tuple[list[Any], list[Clip]]:
                 if not isinstance(part.get("video"), Clip):
                     raise ValueError(
                         "a video block without its clip reached the processor; rows with clips must go through "
-                        "vlm_grpo.rows.prepare_row (the trainer and evaluate do this)"
+                        "vlm_grpo.data.rows.prepare_row (the trainer and evaluate do this)"
                     )
                 clips.append(part["video"])
     return images, clips
@@ -85,7 +85,7 @@ def process_prompts(
     **processor_kwargs: Any,
 ) -> Any:
     """The processor's outputs for chat prompts with their images and clips placed in their content blocks
-    (`vlm_grpo.rows.prepare_row` places them): the generation prompt rendered with the chat template (`chat_template`,
+    (`vlm_grpo.data.rows.prepare_row` places them): the generation prompt rendered with the chat template (`chat_template`,
     `tools` and `template_kwargs` as TRL passes them), then one processor call. `processor_kwargs` go to that call
     (`padding`, `return_tensors`). Also returns `num_images` and `num_videos`: each row's image and clip counts.
     """

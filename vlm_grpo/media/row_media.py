@@ -2,7 +2,7 @@
 
 `load_row_media` finds the row's image and video columns, loads its images (upright 8-bit RGB) and fits them to the
 pixel budget, and samples and sizes its clips by the video budget. The row itself (its prompt, where the media go in
-it, what rewards get back) is `vlm_grpo.rows`'s business.
+it, what rewards get back) is `vlm_grpo.data.rows`'s business.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ answer (a tiny one from scratch, a pretrained one that explains) gets no learnin
 :class:`~vlm_grpo.rewards.choice.ChoiceScorer` reads them: case-insensitively, in the answer tag, else the sentence
 after "Answer:", else the text after ``</think>``.
 
-By name (``--reward_funcs answer_choice``) the reward is built from the data once it is loaded (``vlm_grpo.task``
+By name (``--reward_funcs answer_choice``) the reward is built from the data once it is loaded (``vlm_grpo.cli.task``
 does it); in Python, ``make_answer_choice_reward(answers)``. ``closed_vocabulary`` says when an answer column is one,
-which is when ``vlm_grpo.task.dataset_task`` picks this reward by default.
+which is when ``vlm_grpo.cli.task.dataset_task`` picks this reward by default.
 
 Example::
 
@@ -86,5 +86,5 @@ def make_answer_choice_reward(answers: Iterable[Any], name: str = "answer_choice
     return BatchReward(scorer, "answer", name=name, prediction=scorer.named)
 
 
-#: ``--reward_funcs answer_choice``: `make_answer_choice_reward` of the data's answers, built by `vlm_grpo.task`.
+#: ``--reward_funcs answer_choice``: `make_answer_choice_reward` of the data's answers, built by `vlm_grpo.cli.task`.
 answer_choice = FromAnswers(make_answer_choice_reward, "answer_choice")

@@ -7,7 +7,7 @@ Models write boxes in different frames, fixed by the model family, never guessed
 * ``"qwen2_vl"``: Qwen2-VL's and Qwen3-VL's 0–1000 grid over the image.
 * ``"qwen2_5_vl"``: Qwen2.5-VL's absolute pixels *of the image the processor resized* (``smart_resize``). Mapping
   them back needs that size: ``VLMGRPOTrainer`` and ``vlm_grpo.evaluate`` add it to every row as
-  ``fed_image_size`` (see :func:`vlm_grpo.rows.add_image_sizes`).
+  ``fed_image_size`` (see :func:`vlm_grpo.data.rows.add_image_sizes`).
 
 Gold boxes (column ``bbox``) are in the original image's pixels (or 0–1 with ``gold_frame="normalized"``), as
 corners ``[x1, y1, x2, y2]`` unless ``box_format="xywh"`` declares COCO's ``[x, y, width, height]``. IoU does not

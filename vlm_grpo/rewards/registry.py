@@ -109,7 +109,7 @@ def _raised_in(error: BaseException) -> str:
 
 class FromAnswers:
     """A reward made from the data's answer column, so it can be named before the data is loaded (`answer_choice`):
-    `vlm_grpo.task` calls `build(answers)`. Called as a reward itself it raises, naming the fix."""
+    `vlm_grpo.cli.task` calls `build(answers)`. Called as a reward itself it raises, naming the fix."""
 
     def __init__(self, factory: Callable[..., RewardFunc], name: str) -> None:
         self.factory, self.__name__, self.__doc__ = factory, name, factory.__doc__
@@ -123,7 +123,7 @@ class FromAnswers:
 
     def __call__(self, prompts: Any, completions: Any, **columns: Any) -> list[float | None]:
         raise ValueError(f"{self.__name__} is made from your data's answers: use {self.factory.__name__}(answers), "
-                         "or pass it to vlm_grpo.task.dataset_task / synthetic_task, which build it.")  # fmt: skip
+                         "or pass it to vlm_grpo.cli.task.dataset_task / synthetic_task, which build it.")  # fmt: skip
 
 
 def reward_columns(func: Callable) -> tuple[str, ...]:

@@ -108,8 +108,8 @@ def build_tiny_vlm(
     model.generation_config = GenerationConfig(
         eos_token_id=eos_ids, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, do_sample=True
     )
-    from ..callbacks import library_bars_off
     from ..files import follow_umask
+    from ..third_party_logs import library_bars_off
 
     out_dir = str(out_dir) if out_dir is not None else _cache_dir(family, seed, extra, image_size, tools)
     os.makedirs(out_dir, exist_ok=True)

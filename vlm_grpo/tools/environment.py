@@ -10,7 +10,7 @@ The coordinate frame is the pixels of the image `reset` received: under `VLMGRPO
 the trainer fitted it to the pixel budget (`max_pixels`), the image the prompt shows; x right, y down, (0, 0) the
 top-left corner, `x2` / `y2` exclusive (`vlm_grpo.tools.limits`). Each result's text names the size it came from.
 `crop` and `zoom` cut from the image as the dataset holds it where the budget shrank it (the trainer keeps it for them,
-`vlm_grpo.rows.source_images`): the box is mapped onto it, so a zoom shows detail the prompt's image lost, as
+`vlm_grpo.data.rows.source_images`): the box is mapped onto it, so a zoom shows detail the prompt's image lost, as
 DeepEyes' zoom-in tool does.
 """
 
@@ -21,8 +21,8 @@ from typing import Any
 
 from PIL import Image
 
+from ..data.rows import source_images
 from ..media.images import load_rgb_images
-from ..rows import source_images
 from .crop import crop_image
 from .limits import MAX_PIXELS
 from .rotate import rotate_image

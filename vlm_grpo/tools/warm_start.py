@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from ..data.rows import prepare_row, source_image_sizes
 from ..media.pixel_budget import pixel_budget_for_call
 from ..private_api import tool_suffix_ids
-from ..rows import prepare_row, source_image_sizes
 from .templates import prepare_tool_template
 
 __all__ = ["WarmStart", "demonstration_box", "tool_trace", "tool_warm_start"]

@@ -1,0 +1,109 @@
+"""How a `vlm-grpo` run that stops early ends: where it stopped, what it left and how to go on, in one line.
+
+- Ctrl-C: `stops_as` turns a KeyboardInterrupt (SIGINT) during training, or after it, into `Stopped`, with the step
+  reached; `main` prints `stopped_line` and exits with 130, the shell's status for SIGINT, instead of a ~60-line
+  traceback.
+- SIGTERM (a preempted machine) and the faults a run names (a reward that failed, non-finite steps, a checkpoint that
+  could not be written, no reward signal): `stopped_on_fault` prints the line and gives the exit status (0 for a
+  preemption with a checkpoint to resume from, with `resume_command`; 1 for a fault).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["Stopped", "resume_command", "stopped_line", "stopped_on_fault", "stops_as"]
+
+_PROG = "vlm-grpo"
+
+
+class Stopped(KeyboardInterrupt):
+    """Ctrl-C at `step` of `max_steps` of the run in `output_dir`: during training, or once it had ended (`trained`:
+    `final/` saved or being saved)."""
+
+    def __init__(self, step: int, max_steps: int, output_dir: str, trained: bool = False) -> None:
+        super().__init__(step, max_steps, output_dir, trained)
+        self.step, self.max_steps, self.output_dir, self.trained = step, max_steps, output_dir, trained
+
+
+@contextlib.contextmanager
+def stops_as(trainer: Any, output_dir: str, trained: bool) -> Iterator[None]:
+    """A KeyboardInterrupt inside the block raised as `Stopped`, the progress bar's line ended first (so the line
+    printed next starts a line of its own)."""
+    from transformers import ProgressCallback
+
+    try:
+        yield
+    except KeyboardInterrupt as interrupt:
+        for callback in trainer.callback_handler.callbacks:
+            if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
+                callback.training_bar.close()
+        state = trainer.state
+        raise Stopped(state.global_step, state.max_steps, output_dir, trained) from interrupt
+
+
+def stopped_line(stopped: Stopped | None) -> str:
+    """The one line a Ctrl-C ends with: the step, the checkpoints there are and the command that goes on from the
+    newest, or how to start over without mixing the runs (None: stopped before training began)."""
+    from ..training.checkpoints import newest_complete_checkpoint
+
+    if stopped is None:  # loading, the held-out evaluation before training: nothing was trained
+        return "stopped before training began; nothing was trained."
+    where = f"stopped at step {stopped.step} of {stopped.max_steps}"
+    final = os.path.join(stopped.output_dir, "final")
+    if stopped.trained:
+        saved = f"the trained model is in {final}" if os.path.isdir(final) else f"{final} was not written"
+        return f"{where}, after training: {saved}; the held-out accuracy after, eval.json and the plot were not."
+    checkpoint = newest_complete_checkpoint(stopped.output_dir)
+    if checkpoint is not None:
+        return f"{where}; checkpoints: newest {checkpoint}; resume with the same command plus --resume_from_checkpoint."
+    return (f"{where}; checkpoints: none (--save_strategy steps --save_steps N keeps them); start over with the "
+            "same command plus --overwrite_output_dir.")  # fmt: skip
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command line that continues this run: `argv` with `--resume_from_checkpoint` (no value: the newest
+    complete checkpoint) instead of any checkpoint it named, and without `--overwrite_output_dir`."""
+    import shlex
+
+    kept, skip_value = [], False
+    for arg in argv:
+        if skip_value and not arg.startswith("--"):  # the checkpoint the first run was resumed from
+            skip_value = False
+            continue
+        skip_value = arg == "--resume_from_checkpoint"
+        if not (skip_value or arg.startswith(("--resume_from_checkpoint=", "--overwrite_output_dir"))):
+            kept.append(arg)
+    return shlex.join([_PROG, *kept, "--resume_from_checkpoint"])
+
+
+def stopped_on_fault(error: Exception, argv: list[str], output_dir: str | None) -> int | None:
+    """One line and the exit status for a run that stopped on purpose (0: preempted, resumable) or on a fault it
+    names (1); None for any other error, which is raised as it is."""
+    from ..rewards.checks import RewardFunctionError
+    from ..training.checkpoint_writes import CheckpointWriteError
+    from ..training.checkpoints import newest_complete_checkpoint
+    from ..training.dynamic_sampling import NoRewardVariance
+    from ..training.nonfinite import NonFiniteTraining
+    from ..training.preemption import TrainingPreempted
+
+    if isinstance(error, TrainingPreempted):
+        if error.checkpoint is None:
+            print(f"{_PROG}: {error}; nothing to resume from after this run's start", file=sys.stderr, flush=True)
+            return 1
+        print(f"{_PROG}: {error}; resume with: {resume_command(argv)}", flush=True)
+        return 0
+    if isinstance(error, (NoRewardVariance, CheckpointWriteError)):  # each names what is left and how to go on
+        print(f"{_PROG}: error: {error}", file=sys.stderr, flush=True)
+        return 1
+    if not isinstance(error, (NonFiniteTraining, RewardFunctionError)):
+        return None
+    newest = newest_complete_checkpoint(output_dir) if output_dir else None
+    left = (f" The newest complete checkpoint, {newest}, is intact: fix this, then resume with "
+            "--resume_from_checkpoint." if newest else "")  # fmt: skip
+    print(f"{_PROG}: error: {error}{left}", file=sys.stderr, flush=True)
+    return 1

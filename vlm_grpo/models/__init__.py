@@ -1,0 +1,3 @@
+"""`FastVisionModel` and what only it calls: loading (`loader`), which layers get LoRA (`lora_selection`),
+saved adapters, requires-grad hooks, train / eval modes, the merged export and the model card.
+"""
