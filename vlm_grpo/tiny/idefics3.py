@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .sizes import HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, VISION_HEADS, VISION_HIDDEN, VISION_LAYERS
+from .sizes import VISION_HEADS, VISION_HIDDEN, VISION_LAYERS, text_config
 from .tokenizer import TokenizerSpec
 
-__all__ = ["IMAGE_SIZES", "TOKENIZER", "parts"]
+__all__ = ["IMAGE_SIZES", "TOKENIZER", "config_kwargs", "image_processor_kwargs", "parts"]
 
 _IDEFICS3_TEMPLATE = (
     "<|im_start|>"
@@ -30,30 +30,32 @@ TOKENIZER = TokenizerSpec(
 IMAGE_SIZES = {"idefics3": 32}
 
 
+def config_kwargs(tok: Any, vocab_size: int, image_size: int) -> dict[str, Any]:
+    """The tiny Idefics3 config's arguments (SmolVLM's config takes the same): a Llama text model, a vision tower of
+    4x4 patches pixel-shuffled by 2 to 4 image tokens."""
+    return dict(
+        text_config=text_config("llama", tok, vocab_size, "<end_of_utterance>"),
+        vision_config=dict(
+            hidden_size=VISION_HIDDEN, intermediate_size=64, num_hidden_layers=VISION_LAYERS,
+            num_attention_heads=VISION_HEADS, image_size=image_size, patch_size=image_size // 4,
+        ),
+        scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"), pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def image_processor_kwargs(image_size: int) -> dict[str, Any]:
+    """The PIL image processor's arguments (SmolVLM's takes the same): one square image, no splitting."""
+    return dict(do_image_splitting=False, size={"longest_edge": image_size}, max_image_size={"longest_edge": image_size},
+                image_mean=[0.5] * 3, image_std=[0.5] * 3)  # fmt: skip
+
+
 def parts(name: str, tok: Any, vocab_size: int, image_size: int) -> tuple[Any, Any]:
     """`(config, processor)` of the tiny Idefics3 model."""
     from transformers import Idefics3Config, Idefics3Processor
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
-    patch = image_size // 4  # 4x4 patches; pixel shuffle by 2 -> 4 image tokens
-    config = Idefics3Config(
-        text_config=dict(
-            model_type="llama", vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-            num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-            max_position_embeddings=4096, pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.convert_tokens_to_ids("<end_of_utterance>"), bos_token_id=None,
-            tie_word_embeddings=False,
-        ),
-        vision_config=dict(
-            hidden_size=VISION_HIDDEN, intermediate_size=64, num_hidden_layers=VISION_LAYERS,
-            num_attention_heads=VISION_HEADS, image_size=image_size, patch_size=patch,
-        ),
-        scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"), pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    image_processor = Idefics3ImageProcessorPil(
-        do_image_splitting=False, size={"longest_edge": image_size},
-        max_image_size={"longest_edge": image_size}, image_mean=[0.5] * 3, image_std=[0.5] * 3,
-    )  # fmt: skip
+    config = Idefics3Config(**config_kwargs(tok, vocab_size, image_size))
+    image_processor = Idefics3ImageProcessorPil(**image_processor_kwargs(image_size))
     processor = Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=4)
     return config, processor

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .sizes import HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, VISION_HEADS, VISION_HIDDEN, VISION_LAYERS
+from .sizes import VISION_HEADS, VISION_HIDDEN, VISION_LAYERS, text_config
 from .tokenizer import TokenizerSpec
 
 __all__ = ["IMAGE_SIZES", "TOKENIZER", "parts"]
@@ -37,12 +37,7 @@ def parts(name: str, tok: Any, vocab_size: int, image_size: int) -> tuple[Any, A
 
     patch = image_size // 4  # 4x4 patches, pixel shuffle 0.5 -> 2x2 = 4 tokens per tile
     config = InternVLConfig(
-        text_config=dict(
-            model_type="qwen2", vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-            num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-            max_position_embeddings=4096, pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), bos_token_id=None, tie_word_embeddings=False,
-        ),
+        text_config=text_config("qwen2", tok, vocab_size, "<|im_end|>"),
         vision_config=dict(
             hidden_size=VISION_HIDDEN, intermediate_size=64, num_hidden_layers=VISION_LAYERS,
             num_attention_heads=VISION_HEADS, image_size=[image_size, image_size], patch_size=[patch, patch],
