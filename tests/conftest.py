@@ -40,6 +40,11 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The long runs first (learning checks, then the other slow ones: multi-process launches, resumes): under `-n 2`
+    # each core starts on one and the short tests fill in after, instead of one core running a 6-minute test alone at
+    # the end; tiny Qwen3.5's learning runs lead (its byte-level tokenizer makes them the longest). Stable: the
+    # collected order otherwise.
+    items.sort(key=lambda item: ("slow" not in item.keywords, "learns" not in item.name, "qwen3_5" not in item.name))
     if TRL_TRAINS_HERE:
         return
     skip = pytest.mark.skip(reason="TRL < 1.16 cannot run GRPO steps on CPU (Triton-only log-prob kernel)")
