@@ -64,6 +64,19 @@ def test_the_demonstrated_box_holds_the_mark_with_a_margin(zoom_rows):
         assert all(c >= 4 or (at_edge and c >= 0) for c, at_edge in zip(clear, edge, strict=True)), (row["bbox"], x1)
 
 
+def test_a_mark_in_a_known_place_is_one_shared_call_and_marks_anywhere_share_none(zoom_rows):
+    """`shared_call`: zoom_color's dot is always at the centre, so its traces write one call (a tiny model's
+    tokenizer makes it one token); the zoom task's marks are anywhere, so they share none."""
+    from vlm_grpo.tools.warm_start import shared_call
+
+    dots = make_visual_reasoning_dataset("zoom_color", 8)
+    call = shared_call(dots["bbox"], (1024, 1024), (128, 128), 8)
+    assert call == {"name": "zoom", "arguments": {"x1": 56, "y1": 56, "x2": 72, "y2": 72, "factor": 8}}
+    assert shared_call(zoom_rows["bbox"], (448, 448), (128, 128)) is None
+    assert shared_call(zoom_rows["bbox"][:4], (448, 448), (128, 128)) is None
+    assert shared_call([zoom_rows["bbox"][0]] * 3 + zoom_rows["bbox"][1:3], (448, 448), (128, 128)) is not None
+
+
 @pytest.mark.trains
 def test_a_trace_is_the_rollout_that_writes_it_token_for_token(tiny_dir, tmp_path, zoom_rows):
     """A rollout forced to write the trace's call and answer: the same prompt and completion tokens, the trace's
@@ -168,7 +181,8 @@ def test_evaluation_with_tools_rolls_out_through_the_tool_loop(tiny_dir, tmp_pat
     [
         (["--warm_start", "-1"], "--warm_start is a number of steps >= 0, got -1"),
         (["--warm_start", "4", "--task", "motion"], "--warm_start makes traces of image rows, not clips"),
-        (["--warm_start", "4", "--tools", "zoom", "--max_completion_length", "256"], "only --task zoom's rows locate"),
+        (["--warm_start", "4", "--tools", "zoom", "--max_completion_length", "256"],
+         "only the zoom tasks' rows locate; use --task zoom or --task zoom_color"),
         (["--warm_start", "4", "--tools", "crop", "--task", "zoom", "--max_completion_length", "256"],
          "--warm_start with --tools calls zoom: add it"),
     ],

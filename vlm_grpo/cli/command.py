@@ -134,8 +134,30 @@ def _chance(task: Task) -> str:
     return f"  chance {task.chance:.3f}: 1 of {len(task.answer_values or [])} answers at random"
 
 
-def _load(script: ScriptArguments, config: Any, words: list[str] | None) -> tuple[Any, Any]:
-    """The model and processor `--model` names (a tiny one is built first, knowing `words`), with LoRA if asked."""
+def _taught_calls(script: ScriptArguments, config: Any, task: Task) -> list[dict[str, Any]]:
+    """The call a tiny model with tools is taught on a zoom task whose traces share one (`zoom_color`'s, to a dot in a
+    known place): its tokenizer makes it one token (`build_tiny_vlm(tool_calls=...)`). It is in pixels of the prompt's
+    image, the tiny processor's budget (or `--max_pixels`) applied to the task's canvas."""
+    from ..data.tasks import TASK_SPECS
+    from ..media.pixel_budget import fed_size, update_size_budget
+    from ..tiny.build import tiny_image_processor
+    from ..tools.warm_start import shared_call
+
+    spec = TASK_SPECS.get(script.task) if script.dataset is None else None
+    if not (script.tools and script.model.startswith(TINY_PREFIX) and spec is not None and spec.zoom is not None):
+        return []
+    image_processor = tiny_image_processor(script.model[len(TINY_PREFIX) :])
+    update_size_budget(image_processor.size, config.min_pixels, config.max_pixels)
+    canvas = (script.image_size or spec.image_size,) * 2
+    call = shared_call(task.train["bbox"], canvas, fed_size(image_processor, *canvas), spec.zoom)
+    return [call] if call is not None else []
+
+
+def _load(
+    script: ScriptArguments, config: Any, words: list[str] | None, calls: list[dict[str, Any]]
+) -> tuple[Any, Any]:
+    """The model and processor `--model` names (a tiny one is built first, knowing `words` and writing `calls` as one
+    token each), with LoRA if asked."""
     from ..compat import checkpointing_from_args
     from ..models.loader import FastBaseVisionModel
     from ..models.lora_selection import LoraSelection
@@ -151,7 +173,8 @@ def _load(script: ScriptArguments, config: Any, words: list[str] | None) -> tupl
         # only); the other ranks load it once it is complete. Several machines need a shared output_dir for this.
         with config.main_process_first(local=False, desc="building the tiny model"):
             if config.process_index == 0:
-                build_tiny_vlm(family, path, seed=config.seed, words=words, tools=bool(script.tools))
+                build_tiny_vlm(family, path, seed=config.seed, words=words, tools=bool(script.tools),
+                               tool_calls=calls)  # fmt: skip
     # A Hub model's download and loading bars are worth seeing; the tiny model loads in no time.
     with library_bars_off() if tiny else contextlib.nullcontext():
         model, processor = FastBaseVisionModel.from_pretrained(
@@ -172,10 +195,13 @@ def _load(script: ScriptArguments, config: Any, words: list[str] | None) -> tupl
 
 def _warm_start(script: ScriptArguments, config: Any, model: Any, processor: Any, task: Task, tools: Any) -> None:
     """`--warm_start`: supervised steps on traces of the training rows (`vlm_grpo.tools.warm_start`), one line said."""
-    from ..tools.warm_start import tool_warm_start
+    from ..data.tasks import TASK_SPECS
+    from ..tools.warm_start import ZOOM, tool_warm_start
 
+    spec = TASK_SPECS.get(script.task) if script.dataset is None else None
+    zoom = spec.zoom if spec is not None and spec.zoom is not None else ZOOM
     done = tool_warm_start(model, processor, task.train, script.warm_start, tools, min_pixels=config.min_pixels,
-                           max_pixels=config.max_pixels, seed=config.seed)  # fmt: skip
+                           max_pixels=config.max_pixels, zoom=zoom, seed=config.seed)  # fmt: skip
     what = "look, call zoom on the mark, answer" if tools else "look, answer"
     print(f"warm start: {done.steps} supervised steps on {done.traces} traces ({what}), loss on the model's tokens "
           f"{done.first_loss:.3f} -> {done.last_loss:.3f}", flush=True)  # fmt: skip
@@ -255,7 +281,7 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
             if config.process_index == 0:
                 _clear_earlier_run(config.output_dir)
 
-    model, processor = _load(script, config, task.answer_words)
+    model, processor = _load(script, config, task.answer_words, _taught_calls(script, config, task))
     tools = {}
     if script.tools:  # one environment per rollout, over its row's image (vlm_grpo.tools)
         from ..tools import image_tools
