@@ -195,6 +195,20 @@ def test_a_bad_warm_start_is_one_line_and_exit_status_2(tmp_path, capsys, args, 
     assert not out.exists()
 
 
+@pytest.mark.trains
+def test_the_kl_reference_is_the_warm_started_model(tmp_path):
+    """TRL builds a fully trained model's KL reference again from its config's path: the command saves the
+    warm-started model and points there, so GRPO's first step measures no KL (the policy is its reference). From
+    the model before the warm start, the KL would pull the policy back to what it was taught away from."""
+    out = tmp_path / "run"
+    assert main(["--model", "tiny:qwen3_vl", "--task", "zoom_color", "--tools", "zoom", "--warm_start", "3",
+                 "--max_steps", "1", "--per_device_train_batch_size", "2", "--num_generations", "2", "--train_size",
+                 "8", "--test_size", "1", "--beta", "0.04", "--output_dir", str(out)]) == 0  # fmt: skip
+    (first,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"kl"' in line]
+    assert first["kl"] < 1e-6, first["kl"]
+    assert (out / "warm-start" / "config.json").exists()
+
+
 # The learning check (issue 47): a run with tools and one without, the same budget of steps, on the zoom task (a mark
 # 2-3 px wide at the prompt's 128 x 128 budget, full size in a zoom). 77 s on one core.
 LEARNING = ["--model", "tiny:qwen3_vl", "--task", "zoom", "--warm_start", "100", "--max_steps", "4",

@@ -199,7 +199,8 @@ class ScriptArguments:
         metadata={"help": "Supervised steps before GRPO on traces of the task (vlm_grpo.tools.warm_start): with --tools "
                   "zoom, each looks, calls zoom on a box around the mark, reads the tool's image and answers, so GRPO "
                   "starts from a model that calls the tool (--task zoom or zoom_color); without --tools, each answers at "
-                  "once. 0: none."},
+                  "once. With a KL term (--beta) and all weights trained, the warm-started model is saved to "
+                  "warm-start/ and is GRPO's KL reference. 0: none."},
     )  # fmt: skip
     use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of all weights."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})

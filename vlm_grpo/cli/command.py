@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from .args import PROG, TINY_PREFIX, ScriptArguments, UsageError, build_parser, parse_args, short_help
 from .checks import check_args, check_clips_family, resolve_rewards, resume_checkpoint
 from .demo import DEMO
-from .finish import ONE_TURN, finish, with_tools
+from .finish import ONE_TURN, WARM_START_DIR, finish, warm_start_saved, with_tools
 from .stop import Stopped, stopped_line, stopped_on_fault, stops_as
 
 if TYPE_CHECKING:
@@ -194,9 +194,11 @@ def _load(
 
 
 def _warm_start(script: ScriptArguments, config: Any, model: Any, processor: Any, task: Task, tools: Any) -> None:
-    """`--warm_start`: supervised steps on traces of the training rows (`vlm_grpo.tools.warm_start`), one line said."""
+    """`--warm_start`: supervised steps on traces of the training rows (`vlm_grpo.tools.warm_start`), one line said;
+    then the warm-started model made GRPO's KL reference."""
     from ..data.tasks import TASK_SPECS
     from ..tools.warm_start import ZOOM, tool_warm_start
+    from ..training.callbacks import library_bars_off
 
     spec = TASK_SPECS.get(script.task) if script.dataset is None else None
     zoom = spec.zoom if spec is not None and spec.zoom is not None else ZOOM
@@ -205,6 +207,19 @@ def _warm_start(script: ScriptArguments, config: Any, model: Any, processor: Any
     what = "look, call zoom on the mark, answer" if tools else "look, answer"
     print(f"warm start: {done.steps} supervised steps on {done.traces} traces ({what}), loss on the model's tokens "
           f"{done.first_loss:.3f} -> {done.last_loss:.3f}", flush=True)  # fmt: skip
+    if warm_start_saved(script, config):
+        # TRL builds the KL reference of a fully trained model again from its config's name_or_path: pointed at the
+        # warm-started weights, the reference is the model GRPO starts from, not the one before the warm start (whose
+        # KL pulls a warm-started policy back to random calls).
+        path = os.path.join(config.output_dir, WARM_START_DIR)
+        with config.main_process_first(local=False, desc="saving the warm-started model"), library_bars_off():
+            if config.process_index == 0:
+                model.save_pretrained(path)
+        model.config.name_or_path = path
+    elif config.beta:
+        print(f"{PROG}: note: with --use_peft the KL reference is the model with its adapter off, as it was before the "
+              "warm start; --beta 0 keeps GRPO from pulling the warm-started adapter back.", file=sys.stderr,
+              flush=True)  # fmt: skip
 
 
 def _show_progress(trainer: Any, metrics_path: str, accuracy: str) -> None:
@@ -234,7 +249,7 @@ def _say_above_the_bar(line: str) -> None:
 
 # What a run writes to --output_dir besides tiny-base/ (rebuilt by every run): --overwrite_output_dir deletes an
 # earlier run's, so none of it is mistaken for the new run's.
-_RUN_OUTPUTS = ("final", "metrics.jsonl", "eval.json", "reward_curve.png")
+_RUN_OUTPUTS = ("final", "metrics.jsonl", "eval.json", "reward_curve.png", WARM_START_DIR)
 
 
 def _clear_earlier_run(output_dir: str) -> None:
