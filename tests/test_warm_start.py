@@ -1,5 +1,5 @@
 """The tool warm start (`vlm_grpo.tools.warm_start`), held-out evaluation with tools (`evaluate_with_tools`), the
-command's `--warm_start`, and the learning check on the zoom task (with tools against without).
+command's `--warm_start`, and the learning check on the zoom_color task (with tools against without).
 
 Everything runs for real: tiny Qwen3-VL models built in code, their tokenizer and processor, PIL images, the image
 tools, TRL's tool loop through `VLMGRPOTrainer`. Where a random model must write a given reply (the rollout compared
@@ -209,31 +209,36 @@ def test_the_kl_reference_is_the_warm_started_model(tmp_path):
     assert (out / "warm-start" / "config.json").exists()
 
 
-# The learning check (issue 47): a run with tools and one without, the same budget of steps, on the zoom task (a mark
-# 2-3 px wide at the prompt's 128 x 128 budget, full size in a zoom). 77 s on one core.
-LEARNING = ["--model", "tiny:qwen3_vl", "--task", "zoom", "--warm_start", "100", "--max_steps", "4",
-            "--per_device_train_batch_size", "8", "--num_generations", "4", "--train_size", "512", "--test_size", "32",
-            "--logging_steps", "1", "--disable_tqdm", "true"]  # fmt: skip
+# The learning check (issue 47): a run with tools and one without, the same steps, on zoom_color (the colour of a dot
+# that the prompt's 128 x 128 image does not show at all, and `zoom(56, 56, 72, 72, factor=8)` shows at full size).
+# The warm start teaches the call (one token of the tiny tokenizer) and reading the zoom; GRPO, at a small learning
+# rate, keeps them while it samples. About 2 minutes on one free core (docs/tools.md has the measured numbers).
+LEARNING = ["--model", "tiny:qwen3_vl", "--task", "zoom_color", "--warm_start", "200", "--max_steps", "8",
+            "--per_device_train_batch_size", "16", "--num_generations", "4", "--learning_rate", "1e-4",
+            "--train_size", "256", "--test_size", "128", "--logging_steps", "1", "--disable_tqdm", "true"]  # fmt: skip
 
 
 @pytest.mark.slow
 @pytest.mark.trains
-def test_a_model_warm_started_on_the_zoom_calls_it_and_one_without_tools_stays_at_chance(tmp_path):
-    """With tools the warm start teaches the call: the held-out rollouts call zoom. Without tools the same steps
-    leave the model within 0.1 of chance: the mark cannot be read at the prompt's budget. The issue's
-    bar, 0.8 held-out accuracy with tools, is not reached: the tiny random-init model does not learn to read a shape
-    even from a perfect zoom (docs/tools.md); that is reported as an expected failure, with the numbers."""
-    runs = {}
-    with_tools = ["--tools", "zoom", "--max_completion_length", "192", "--max_tool_calling_iterations", "1"]
-    for arm, extra in (("tools", with_tools), ("plain", [])):
+def test_a_model_taught_to_zoom_reads_the_dot_and_one_without_tools_stays_at_chance(tmp_path):
+    """Issue 47's bar: after the warm start and GRPO with tools, held-out accuracy with tools >= 0.8; the same steps
+    without tools (a warm start that answers at once, then GRPO) within 0.1 of chance. Real runs of the command."""
+    runs, steps = {}, {}
+    for arm, extra in (("tools", ["--tools", "zoom"]), ("plain", [])):
         out = tmp_path / arm
         assert main([*LEARNING, *extra, "--output_dir", str(out)]) == 0
         runs[arm] = json.loads((out / "eval.json").read_text())
-    tools, plain, chance = runs["tools"], runs["plain"], 1 / 3
-    # Greedy held-out rollouts after the warm start: each calls zoom in the template's format (a random model: none).
-    assert tools["before/with_tools/tools/call_frequency"] >= 0.9
-    assert abs(plain["after/accuracy"] - chance) <= 0.1
-    if tools["after/with_tools/accuracy"] < 0.8:
-        after = {k.split("/")[-1]: round(v, 3) for k, v in tools.items() if k.startswith("after/with_tools/")}
-        pytest.xfail(f"with tools after GRPO {after} (0.8 wanted), without {plain['after/accuracy']:.3f}: the tiny "
-                     "model does not learn to read the shape")  # fmt: skip
+        lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        steps[arm] = [line for line in lines if "kl" in line]
+    tools, plain, chance = runs["tools"], runs["plain"], 0.25
+    report = {arm: {k: round(v, 3) for k, v in run.items() if "accuracy" in k} for arm, run in runs.items()}
+    assert tools["after/with_tools/accuracy"] >= 0.8, report
+    assert (
+        tools["after/with_tools/tools/call_frequency"] >= 0.9 and tools["after/with_tools/tools/failure_frequency"] == 0
+    )
+    assert abs(plain["after/accuracy"] - chance) <= 0.1, report
+    # GRPO with tools stays sane while it samples at temperature 1: the KL to the warm-started model small, most
+    # sampled calls whole (the first attempt's went to KL 5.9 and 85% malformed in 5 steps).
+    assert len(steps["tools"]) == 8 and max(step["kl"] for step in steps["tools"]) < 0.1, steps["tools"]
+    malformed = [step["tools/malformed_frequency"] for step in steps["tools"]]
+    assert sum(malformed) / len(malformed) < 0.3, malformed
