@@ -65,8 +65,9 @@ _DOT, _RING = 6 / 1024, 2 / 1024  # the dot's side and each ring's width, as fra
 # Each ring's colour is the background plus this multiple of (dot colour - background): the inner ring nearly the
 # dot's complement, the outer a faint echo of it. Fitted (least squares, through PIL's bicubic resize, the processors'
 # own) so that the dot, the rings and the background average to the plain background at every pixel of the canvas
-# shrunk 8 times or more, to within rounding: the dot's colour does not reach the prompt's image at all
-# (tests/test_data.py checks it through the processor's own resize).
+# shrunk 8 times, to within rounding: the dot's colour does not reach the prompt's image at all (tests/test_data.py
+# checks it through the tiny processors' own resize to 128 and 112 px; 96 and 64 px gave the same when fitted). The
+# dot must stay where it is: moved off the 8 px grid, it leaks up to 13 levels.
 _HALO = (-0.859, 0.196)
 _AROUND = ((0.05, 0.12), (2, 4))  # the shapes around the dot: side as fractions of the canvas, how many
 
