@@ -125,6 +125,9 @@ def test_reward_summary_shows_each_training_number_once_under_its_own_name():
     # One reward: its mean is the reward, shown once (the bar showed `reward=0.973, acc=0.973`).
     one = {"reward": 0.973, "rewards/choice_accuracy/mean": 0.973, "kl": 0.001}
     assert reward_summary(one, accuracy="choice_accuracy") == {"reward": "0.973", "kl": "0.001"}
+    # With tools: calls per rollout and the malformed ones, what GRPO's sampling breaks first (issue 47).
+    tools = one | {"tools/call_frequency": 0.875, "tools/malformed_frequency": 0.125, "tools/failure_frequency": 0.0}
+    assert reward_summary(tools) == {"reward": "0.973", "kl": "0.001", "calls": "0.88", "malformed": "0.12"}
 
 
 def _args():

@@ -3,6 +3,7 @@ exit status stated and nothing left behind (missing images, paths written relati
 typo, a Hub model while offline, a held-out share that leaves nothing to train on), and nothing printed that is
 not needed (no bitsandbytes kernel line)."""
 
+import json
 import os
 import re
 import subprocess
@@ -310,9 +311,10 @@ def test_the_gpu_recipe_on_a_cpu_without_the_model_says_so_first_and_offers_the_
 
 
 @pytest.mark.trains
-def test_tools_alone_pick_budgets_that_fit_and_say_so_and_that_a_tiny_model_will_not_call_them(tmp_path):
+@pytest.mark.parametrize("task", ["zoom", "zoom_color"])
+def test_tools_alone_pick_budgets_that_fit_and_say_so_and_that_a_tiny_model_will_not_call_them(tmp_path, task):
     # Issue 46 (5): `--task zoom --tools zoom` stopped on "--tools needs --max_completion_length 128 or more (got 4)".
-    proc = vlm_grpo("--task", "zoom", "--tools", "zoom", "--output_dir", "run", "--max_steps", "1", "--train_size",
+    proc = vlm_grpo("--task", task, "--tools", "zoom", "--output_dir", "run", "--max_steps", "1", "--train_size",
                     "4", "--test_size", "2", "--per_device_train_batch_size", "2", "--num_generations", "2",
                     cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -323,6 +325,11 @@ def test_tools_alone_pick_budgets_that_fit_and_say_so_and_that_a_tiny_model_will
     assert "does not call tools by itself: this run checks the tool loop, not tool use" in proc.stderr
     step = next(r for r in _metrics(tmp_path / "run") if "tools/call_frequency" in r)
     assert step["completions/max_length"] <= 256
+    # zoom_color's dot is in a known place: its one useful call is one token of the tiny model (112 px: Qwen2.5-VL's).
+    added = json.loads((tmp_path / "run" / "tiny-base" / "tokenizer.json").read_text())["added_tokens"]
+    calls = [t["content"] for t in added if t["content"].startswith('{"name": "zoom"')]
+    taught = '{"name": "zoom", "arguments": {"x1": 49, "y1": 49, "x2": 63, "y2": 63, "factor": 8}}'
+    assert calls == ([taught] if task == "zoom_color" else []), calls
     # A budget you set is yours: kept, and checked.
     proc = vlm_grpo("--task", "zoom", "--tools", "zoom", "--max_completion_length", "64", "--output_dir", "small",
                     cwd=tmp_path)  # fmt: skip

@@ -90,7 +90,7 @@ def test_every_task_builds_with_schema(task: str, difficulty: int) -> None:
     expected = {"prompt", media, "answer"}
     if task == "locate":
         expected |= {"bbox", "image_size"}
-    if task == "zoom":
+    if TASK_SPECS[task].zoom is not None:
         expected |= {"bbox"}  # the mark's box: a demonstrated zoom (vlm_grpo.tools.warm_start) aims at it
     assert set(ds.column_names) == expected
     feature = ds.features[media]
@@ -102,7 +102,7 @@ def test_every_task_builds_with_schema(task: str, difficulty: int) -> None:
         assert isinstance(message["content"], str) and message["content"].endswith(".")
         for image in row["video"] if task in VIDEO_TASKS else [row["image"]]:
             assert isinstance(image, Image.Image)
-            side = TASK_SPECS[task].image_size  # the task's own canvas: 56, the zoom task's 448
+            side = TASK_SPECS[task].image_size  # the task's own canvas: 56, the zoom task's 448, zoom_color's 1024
             assert image.size == (side, side) and image.mode == "RGB"
         assert isinstance(row["answer"], str)
         assert set(_tokens(row["answer"])) <= words, row["answer"]
@@ -311,3 +311,54 @@ def test_zoom_task_is_a_small_mark_of_each_kind_on_a_large_canvas(difficulty: in
         x1, y1, x2, y2 = map(int, row["bbox"])
         off = np.abs(_pixels(row["image"]).astype(int) - BACKGROUND).sum(-1) > 24
         assert off[y1:y2, x1:x2].sum() == off.sum() > 0
+
+
+# ------------------------------------------------------------------------ zoom_color
+
+
+def test_zoom_color_is_a_dot_at_the_centre_among_shapes_of_its_colours() -> None:
+    ds = _build("zoom_color", 24)
+    assert {row["image"].size for row in ds} == {(1024, 1024)}
+    assert set(ds["answer"]) == set(answer_words("zoom_color", 1)) == {"red", "green", "blue", "yellow"}
+    for row in ds:
+        assert row["bbox"] == [509.0, 509.0, 515.0, 515.0]  # 6 px, in the middle of the canvas
+        pixels = _pixels(row["image"])
+        assert (pixels[509:515, 509:515] == COLORS[row["answer"]]).all()
+        # The centre quarter holds the dot and its rings only: the zoom's box (the centre eighth) shows nothing else.
+        quarter = pixels[384:640, 384:640]
+        assert np.any(quarter != BACKGROUND, axis=-1).sum() == 14 * 14
+        assert np.any(pixels != BACKGROUND, axis=-1).sum() > 2 * 50 * 50  # and 2-4 large shapes around it
+    assert "centre" in ds[0]["prompt"][0]["content"] and "Zoom in" in ds[0]["prompt"][0]["content"]
+
+
+@pytest.mark.parametrize("family, side", [("qwen3_vl", 128), ("qwen2_5_vl", 112)])
+def test_zoom_color_dot_is_gone_at_the_prompts_budget_and_the_demonstrated_zoom_shows_it(family: str, side: int):
+    """The prompt's image, fitted to the tiny model's budget by its own processor's resize, is the same pixel for
+    pixel whatever the dot's colour (so nothing, no classifier either, can read it there), while the zoom the warm
+    start demonstrates shows the dot in its colour."""
+    import random
+
+    from vlm_grpo.data.scene import colors_for, render
+    from vlm_grpo.data.zoom_task import centre_dot, zoom_color_example
+    from vlm_grpo.media.pixel_budget import apply_pixel_budget
+    from vlm_grpo.tiny.build import tiny_image_processor
+    from vlm_grpo.tools import zoom_image
+    from vlm_grpo.tools.warm_start import demonstration_call
+
+    budget = apply_pixel_budget(tiny_image_processor(family), log=False)
+    for seed in range(6):
+        scene = zoom_color_example(random.Random(seed), 1024, 3)  # 8 colours
+        prompts, zooms = [], []
+        for name in colors_for(3):
+            canvas = render(scene.items[:-3] + centre_dot(COLORS[name], 1024), 1024)
+            prompt = budget.fit(canvas)
+            call = demonstration_call(scene.extra["bbox"], canvas.size, prompt.size, 8)["arguments"]
+            assert prompt.size == (side, side) and call["factor"] == 8
+            prompts.append(_pixels(prompt))
+            zooms.append(_pixels(zoom_image(prompt, **call, source=canvas)))
+            # The dot's middle, nearest its own colour of the palette (at 112 the zoom is the canvas at 7/8: resampled).
+            middle = zooms[-1][zooms[-1].shape[0] // 2 - 2, zooms[-1].shape[1] // 2 - 2].astype(int)
+            assert min(COLORS, key=lambda c: np.abs(middle - COLORS[c]).sum()) == name, (name, middle)
+        assert all(np.array_equal(prompts[0], p) for p in prompts[1:])
+        # Any two colours' zooms differ by far more than a pixel's rounding.
+        assert min(np.abs(a.astype(int) - b).max() for a, b in itertools.combinations(zooms, 2)) > 60

@@ -163,3 +163,30 @@ def test_a_tool_build_reads_its_tools_schemas_in_few_tokens(tiny_dir, family):
         '<tool_call>\n{"name": "zoom", "arguments": {"x1": 16, "y1": 0, "x2": 48, "y2": 32, "factor": 4}}\n</tool_call>'
     )
     assert len(processor.tokenizer(call)["input_ids"]) < 55  # 74 without the pieces
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_a_taught_call_is_one_token_as_the_template_writes_it(tmp_path, family):
+    """`tool_calls`: each call, as the chat template writes it inside `<tool_call>` (Qwen's JSON, Qwen3.5's XML), is
+    one token, so a sampled rollout writes it whole or not at all; other calls still tokenize and decode exactly."""
+    from vlm_grpo.tools import image_tools
+
+    taught = {"name": "zoom", "arguments": {"x1": 56, "y1": 56, "x2": 72, "y2": 72, "factor": 8}}
+    other = {"name": "zoom", "arguments": {"x1": 8, "y1": 56, "x2": 24, "y2": 72, "factor": 8}}
+    _, processor = FastVisionModel.from_pretrained(build_tiny_vlm(family, tmp_path, tools=True, tool_calls=[taught]))
+    tok, tools = processor.tokenizer, [image_tools("zoom")().zoom]
+
+    def completion(call: dict) -> str:
+        question = [{"role": "user", "content": "Zoom in."}]
+        turn = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}
+        before = processor.apply_chat_template(question, tools=tools, add_generation_prompt=True, tokenize=False)
+        after = processor.apply_chat_template(question + [turn], tools=tools, tokenize=False)
+        return after[len(before) : after.rindex("</tool_call>") + len("</tool_call>")]
+
+    text = completion(taught)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) <= 5 and tok.decode(ids) == text, [tok.decode([i]) for i in ids]  # tags, newlines, the call
+    ids = tok(completion(other), add_special_tokens=False)["input_ids"]
+    assert len(ids) > 20 and tok.decode(ids) == completion(other)
+    with pytest.raises(ValueError, match="build it with tools=True"):
+        build_tiny_vlm(family, tmp_path / "plain", tool_calls=[taught])

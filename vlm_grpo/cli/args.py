@@ -12,6 +12,7 @@ import argparse
 import difflib
 import re
 import sys
+import textwrap
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -53,7 +54,7 @@ MAIN_OPTIONS: dict[str, tuple[tuple[str, str, str], ...]] = {
         (
             "task",
             "NAME",
-            "color (default) count spatial arithmetic locate position motion color_change zoom",
+            "color (default) count spatial arithmetic locate position motion color_change zoom zoom_color",
         ),
         ("dataset", "SOURCE", "your data: Hub id, JSONL / CSV / Parquet file, image folder, save_to_disk dir"),
         ("prompt_column", "NAME", "your question column (also --image_column, --answer_column)"),
@@ -111,7 +112,8 @@ class ScriptArguments:
         metadata={
             "help": "Synthetic task (without --dataset): color, count, spatial, arithmetic, locate, position, "
             "or a video task (Qwen-VL and Qwen3.5 models): motion (which way a shape moves), color_change (the "
-            "colour a shape turns); zoom: a small mark on a large canvas, made for --tools zoom."
+            "colour a shape turns); zoom: a small mark on a large canvas, made for --tools zoom; zoom_color: the "
+            "colour of a dot at the centre, invisible at the prompt's pixel budget, shown by one zoom."
         },
     )
     difficulty: int = field(
@@ -128,7 +130,10 @@ class ScriptArguments:
     )  # fmt: skip
     image_size: int | None = field(
         default=None,
-        metadata={"help": "Side of the synthetic images, in pixels (default: the task's own, 56; zoom: 448)."},
+        metadata={
+            "help": "Side of the synthetic images, in pixels (default: the task's own, 56; zoom: 448; "
+            "zoom_color: 1024)."
+        },
     )
     dataset: str | None = field(
         default=None,
@@ -193,8 +198,9 @@ class ScriptArguments:
         default=0,
         metadata={"help": "Supervised steps before GRPO on traces of the task (vlm_grpo.tools.warm_start): with --tools "
                   "zoom, each looks, calls zoom on a box around the mark, reads the tool's image and answers, so GRPO "
-                  "starts from a model that calls the tool (--task zoom); without --tools, each answers at once. "
-                  "0: none."},
+                  "starts from a model that calls the tool (--task zoom or zoom_color); without --tools, each answers at "
+                  "once. With a KL term (--beta) and all weights trained, the warm-started model is saved to "
+                  "warm-start/ and is GRPO's KL reference. 0: none."},
     )  # fmt: skip
     use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of all weights."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
@@ -286,7 +292,7 @@ def _default(flag: str) -> Any:
 
 
 def short_help() -> str:
-    """`--help`: the description, examples and the main options, one line each (`--help-all`: every flag). Built
+    """`--help`: the description, examples and the main options, a line each (`--help-all`: every flag). Built
     without the parser, so it imports neither torch nor transformers and prints at once."""
     lines = [f"usage: {USAGE}", "", DESCRIPTION.rstrip()]
     for title, options in MAIN_OPTIONS.items():
@@ -295,7 +301,9 @@ def short_help() -> str:
             default = _default(flag)
             if default not in (None, False, "") and "default" not in text:
                 text = f"{text} (default: {default})"
-            lines.append(f"  {f'--{flag} {metavar}'.rstrip():<33}{text}")
+            # A text too long for the line goes on under itself, so the help stays 120 columns wide.
+            lines += textwrap.wrap(text, 120, initial_indent=f"  {f'--{flag} {metavar}'.rstrip():<33}",
+                                   subsequent_indent=" " * 35)  # fmt: skip
     lines += ["", f"every flag (TRL's GRPOConfig and transformers' TrainingArguments, 200+): {PROG} --help-all"]
     return "\n".join(lines) + "\n"
 

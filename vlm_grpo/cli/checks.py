@@ -70,7 +70,7 @@ def _check_tools(script: ScriptArguments, config: Any) -> None:
 
 
 def _check_warm_start(script: ScriptArguments) -> None:
-    """`--warm_start`: a count, image rows; with tools, traces that zoom on the mark need the zoom task (its rows hold
+    """`--warm_start`: a count, image rows; with tools, traces that zoom on the mark need a zoom task (its rows hold
     the mark's box)."""
     from ..data.tasks import TASK_SPECS
 
@@ -79,9 +79,10 @@ def _check_warm_start(script: ScriptArguments) -> None:
     spec = TASK_SPECS.get(script.task) if script.dataset is None else None
     if script.warm_start and ((spec is not None and spec.video) or script.video_column):
         raise UsageError("--warm_start makes traces of image rows, not clips; leave it out for a video task.")
-    if script.warm_start and script.tools and (script.dataset is not None or script.task != "zoom"):
-        raise UsageError("--warm_start with --tools shows a zoom on the mark, which only --task zoom's rows locate; "
-                         "use --task zoom, or leave out --warm_start.")  # fmt: skip
+    if script.warm_start and script.tools and (spec is None or spec.zoom is None):
+        zoom_tasks = " or ".join(f"--task {name}" for name, s in TASK_SPECS.items() if s.zoom is not None)
+        raise UsageError(f"--warm_start with --tools shows a zoom on the mark, which only the zoom tasks' rows locate; "
+                         f"use {zoom_tasks}, or leave out --warm_start.")  # fmt: skip
     if script.warm_start and script.tools and "zoom" not in [t.strip() for t in script.tools.split(",")]:
         raise UsageError("--warm_start with --tools calls zoom: add it, e.g. --tools zoom.")
 

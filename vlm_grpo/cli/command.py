@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from .args import PROG, TINY_PREFIX, ScriptArguments, UsageError, build_parser, parse_args, short_help
 from .checks import check_args, check_clips_family, resolve_rewards, resume_checkpoint
 from .demo import DEMO
-from .finish import ONE_TURN, finish, with_tools
+from .finish import ONE_TURN, WARM_START_DIR, finish, warm_start_saved, with_tools
 from .stop import Stopped, stopped_line, stopped_on_fault, stops_as
 
 if TYPE_CHECKING:
@@ -134,8 +134,30 @@ def _chance(task: Task) -> str:
     return f"  chance {task.chance:.3f}: 1 of {len(task.answer_values or [])} answers at random"
 
 
-def _load(script: ScriptArguments, config: Any, words: list[str] | None) -> tuple[Any, Any]:
-    """The model and processor `--model` names (a tiny one is built first, knowing `words`), with LoRA if asked."""
+def _taught_calls(script: ScriptArguments, config: Any, task: Task) -> list[dict[str, Any]]:
+    """The call a tiny model with tools is taught on a zoom task whose traces share one (`zoom_color`'s, to a dot in a
+    known place): its tokenizer makes it one token (`build_tiny_vlm(tool_calls=...)`). It is in pixels of the prompt's
+    image, the tiny processor's budget (or `--max_pixels`) applied to the task's canvas."""
+    from ..data.tasks import TASK_SPECS
+    from ..media.pixel_budget import fed_size, update_size_budget
+    from ..tiny.build import tiny_image_processor
+    from ..tools.warm_start import shared_call
+
+    spec = TASK_SPECS.get(script.task) if script.dataset is None else None
+    if not (script.tools and script.model.startswith(TINY_PREFIX) and spec is not None and spec.zoom is not None):
+        return []
+    image_processor = tiny_image_processor(script.model[len(TINY_PREFIX) :])
+    update_size_budget(image_processor.size, config.min_pixels, config.max_pixels)
+    canvas = (script.image_size or spec.image_size,) * 2
+    call = shared_call(task.train["bbox"], canvas, fed_size(image_processor, *canvas), spec.zoom)
+    return [call] if call is not None else []
+
+
+def _load(
+    script: ScriptArguments, config: Any, words: list[str] | None, calls: list[dict[str, Any]]
+) -> tuple[Any, Any]:
+    """The model and processor `--model` names (a tiny one is built first, knowing `words` and writing `calls` as one
+    token each), with LoRA if asked."""
     from ..compat import checkpointing_from_args
     from ..models.loader import FastBaseVisionModel
     from ..models.lora_selection import LoraSelection
@@ -151,7 +173,8 @@ def _load(script: ScriptArguments, config: Any, words: list[str] | None) -> tupl
         # only); the other ranks load it once it is complete. Several machines need a shared output_dir for this.
         with config.main_process_first(local=False, desc="building the tiny model"):
             if config.process_index == 0:
-                build_tiny_vlm(family, path, seed=config.seed, words=words, tools=bool(script.tools))
+                build_tiny_vlm(family, path, seed=config.seed, words=words, tools=bool(script.tools),
+                               tool_calls=calls)  # fmt: skip
     # A Hub model's download and loading bars are worth seeing; the tiny model loads in no time.
     with library_bars_off() if tiny else contextlib.nullcontext():
         model, processor = FastBaseVisionModel.from_pretrained(
@@ -171,14 +194,32 @@ def _load(script: ScriptArguments, config: Any, words: list[str] | None) -> tupl
 
 
 def _warm_start(script: ScriptArguments, config: Any, model: Any, processor: Any, task: Task, tools: Any) -> None:
-    """`--warm_start`: supervised steps on traces of the training rows (`vlm_grpo.tools.warm_start`), one line said."""
-    from ..tools.warm_start import tool_warm_start
+    """`--warm_start`: supervised steps on traces of the training rows (`vlm_grpo.tools.warm_start`), one line said;
+    then the warm-started model made GRPO's KL reference."""
+    from ..data.tasks import TASK_SPECS
+    from ..tools.warm_start import ZOOM, tool_warm_start
+    from ..training.callbacks import library_bars_off
 
+    spec = TASK_SPECS.get(script.task) if script.dataset is None else None
+    zoom = spec.zoom if spec is not None and spec.zoom is not None else ZOOM
     done = tool_warm_start(model, processor, task.train, script.warm_start, tools, min_pixels=config.min_pixels,
-                           max_pixels=config.max_pixels, seed=config.seed)  # fmt: skip
+                           max_pixels=config.max_pixels, zoom=zoom, seed=config.seed)  # fmt: skip
     what = "look, call zoom on the mark, answer" if tools else "look, answer"
     print(f"warm start: {done.steps} supervised steps on {done.traces} traces ({what}), loss on the model's tokens "
           f"{done.first_loss:.3f} -> {done.last_loss:.3f}", flush=True)  # fmt: skip
+    if warm_start_saved(script, config):
+        # TRL builds the KL reference of a fully trained model again from its config's name_or_path: pointed at the
+        # warm-started weights, the reference is the model GRPO starts from, not the one before the warm start (whose
+        # KL pulls a warm-started policy back to random calls).
+        path = os.path.join(config.output_dir, WARM_START_DIR)
+        with config.main_process_first(local=False, desc="saving the warm-started model"), library_bars_off():
+            if config.process_index == 0:
+                model.save_pretrained(path)
+        model.config.name_or_path = path
+    elif config.beta:
+        print(f"{PROG}: note: with --use_peft the KL reference is the model with its adapter off, as it was before the "
+              "warm start; --beta 0 keeps GRPO from pulling the warm-started adapter back.", file=sys.stderr,
+              flush=True)  # fmt: skip
 
 
 def _show_progress(trainer: Any, metrics_path: str, accuracy: str) -> None:
@@ -208,7 +249,7 @@ def _say_above_the_bar(line: str) -> None:
 
 # What a run writes to --output_dir besides tiny-base/ (rebuilt by every run): --overwrite_output_dir deletes an
 # earlier run's, so none of it is mistaken for the new run's.
-_RUN_OUTPUTS = ("final", "metrics.jsonl", "eval.json", "reward_curve.png")
+_RUN_OUTPUTS = ("final", "metrics.jsonl", "eval.json", "reward_curve.png", WARM_START_DIR)
 
 
 def _clear_earlier_run(output_dir: str) -> None:
@@ -255,7 +296,7 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
             if config.process_index == 0:
                 _clear_earlier_run(config.output_dir)
 
-    model, processor = _load(script, config, task.answer_words)
+    model, processor = _load(script, config, task.answer_words, _taught_calls(script, config, task))
     tools = {}
     if script.tools:  # one environment per rollout, over its row's image (vlm_grpo.tools)
         from ..tools import image_tools

@@ -14,9 +14,16 @@ from .args import TINY_PREFIX, ScriptArguments
 if TYPE_CHECKING:
     from .task import Task
 
-__all__ = ["ONE_TURN", "finish", "with_tools"]
+__all__ = ["ONE_TURN", "WARM_START_DIR", "finish", "warm_start_saved", "with_tools"]
 
 ONE_TURN = "  (one turn, without tools)"
+WARM_START_DIR = "warm-start"  # the model after --warm_start, where TRL loads the KL reference from
+
+
+def warm_start_saved(script: Any, config: Any) -> bool:
+    """Whether the run saves the warm-started model (`WARM_START_DIR`): a warm start, fully trained weights and a KL
+    term (TRL builds a fully trained model's reference again from its config's path; with LoRA it is the adapter off)."""
+    return bool(script.warm_start and config.beta and not script.use_peft)
 
 
 def with_tools(trainer: Any, task: Task, when: str, seed: int) -> dict[str, float]:
@@ -93,5 +100,7 @@ def finish(
                       title=f"GRPO: {task.name} — {script.model}", before=before.get("accuracy", math.nan),
                       after=results.get("after/accuracy", math.nan), max_steps=trainer.state.max_steps)  # fmt: skip
     base = ", tiny-base/ (the model it started from)" if script.model.startswith(TINY_PREFIX) else ""
+    if warm_start_saved(script, config):
+        base += f", {WARM_START_DIR}/ (after the warm start: GRPO's start and KL reference)"
     print(f"wrote {config.output_dir}/: metrics.jsonl, reward_curve.png, eval.json, final/{base}", flush=True)
     return results

@@ -162,6 +162,7 @@ SYNTHETIC_REWARDS: dict[str, Callable[[int], RewardFunc]] = {
     "motion": _choice("motion"),  # video tasks: which way the shape moves, what colour it ends up
     "color_change": _choice("color_change"),
     "zoom": _choice("zoom"),  # the small mark's shape: made for image tools (`--tools zoom`)
+    "zoom_color": _choice("zoom_color"),  # the centre dot's colour, which only a zoom shows
 }
 
 

@@ -36,7 +36,7 @@ def make_visual_reasoning_dataset(
         n: Number of rows (> 0).
         seed: Same (task, n, seed, image_size, difficulty, split) gives byte-identical rows.
         image_size: Side of the square images in pixels (>= 28; tasks are designed to
-            be legible from 56 up, e.g. 448). None: the task's own (56; ``"zoom"``: 448).
+            be legible from 56 up, e.g. 448). None: the task's own (56; ``"zoom"``: 448; ``"zoom_color"``: 1024).
         difficulty: 1 (easiest) to 3; controls colours, shape kinds, object counts,
             object sizes and distractors.
         split: ``"train"`` or ``"test"`` (about 80/20 of all possible images). Every
@@ -47,7 +47,7 @@ def make_visual_reasoning_dataset(
         A Dataset with ``prompt`` (``[{"role": "user", "content": question}]``, content a
         plain string), ``image`` (``datasets.Image``, PNG bytes) and ``answer`` (str);
         ``"locate"`` adds ``bbox`` ([x1, y1, x2, y2] floats in pixels, x2/y2
-        exclusive) and ``image_size`` ([width, height]); ``"zoom"`` adds ``bbox``, the mark's box. A video task
+        exclusive) and ``image_size`` ([width, height]); the zoom tasks (``"zoom"``, ``"zoom_color"``) add ``bbox``, the mark's box. A video task
         (``"motion"``) has
         ``video`` (a list of ``datasets.Image`` frames) instead of ``image``.
 
@@ -82,7 +82,7 @@ def make_visual_reasoning_dataset(
         columns["image_size"] = [ex.extra["image_size"] for ex in examples]
         features["bbox"] = List(Value("float64"))
         features["image_size"] = List(Value("int64"))
-    if task == "zoom":  # the mark's box, for a demonstrated zoom (`vlm_grpo.tools.warm_start`) and for tests
+    if spec.zoom is not None:  # the mark's box, for a demonstrated zoom (`vlm_grpo.tools.warm_start`) and for tests
         columns["bbox"] = [[float(v) for v in ex.extra["bbox"]] for ex in examples]
         features["bbox"] = List(Value("float64"))
     return Dataset.from_dict(columns, features=Features(features))

@@ -30,7 +30,7 @@ from .scene import (
     random_box,
     shapes_for,
 )
-from .zoom_task import ZOOM_IMAGE_SIZE, zoom_example
+from .zoom_task import ZOOM_COLOR_IMAGE_SIZE, ZOOM_COLOR_ZOOM, ZOOM_IMAGE_SIZE, zoom_color_example, zoom_example
 
 DIFFICULTIES = (1, 2, 3)
 _DIRECTIONS = ("left", "right")
@@ -322,6 +322,9 @@ class TaskSpec:
     words: Callable[[int, int], list[str]]  # (difficulty, image_size) -> answer words
     video: bool = False  # its rows hold a clip (`video`), not an image
     image_size: int = 56  # the canvas it is made for: make_visual_reasoning_dataset's default for it
+    # Made for image tools: its rows hold the mark's `bbox`, and a zoom this many times on a box of 1 / zoom of the
+    # image's side around it shows what the prompt's image cannot (`vlm_grpo.tools.warm_start`'s traces). None: not.
+    zoom: int | None = None
 
 
 TASK_SPECS: dict[str, TaskSpec] = {
@@ -335,7 +338,11 @@ TASK_SPECS: dict[str, TaskSpec] = {
     "motion": TaskSpec(_motion, lambda d, s: list(_DIRECTIONS), video=True),
     "color_change": TaskSpec(_color_change, lambda d, s: colors_for(d), video=True),
     # A small mark on a large canvas, for image tools (`--tools zoom`): vlm_grpo.data.zoom_task.
-    "zoom": TaskSpec(zoom_example, lambda d, s: shapes_for(d), image_size=ZOOM_IMAGE_SIZE),
+    "zoom": TaskSpec(zoom_example, lambda d, s: shapes_for(d), image_size=ZOOM_IMAGE_SIZE, zoom=4),
+    # The colour of a dot at the centre, invisible at the prompt's budget: one known zoom shows it.
+    "zoom_color": TaskSpec(
+        zoom_color_example, lambda d, s: colors_for(d), image_size=ZOOM_COLOR_IMAGE_SIZE, zoom=ZOOM_COLOR_ZOOM
+    ),
 }
 
 TASKS: tuple[str, ...] = tuple(TASK_SPECS)

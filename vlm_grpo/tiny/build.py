@@ -12,6 +12,7 @@ import json
 import os
 from collections.abc import Iterable
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -19,7 +20,7 @@ from ..families import model_types
 from . import gemma3, glm4v, idefics3, internvl, lfm2_vl, llava_onevision, mistral3, paligemma, qwen, smolvlm
 from .tokenizer import build_text_tokenizer, build_tokenizer
 
-__all__ = ["TINY_FAMILIES", "build_tiny_vlm", "tool_families"]
+__all__ = ["TINY_FAMILIES", "build_tiny_vlm", "tiny_image_processor", "tool_families"]
 
 # Families whose tokenizer transformers rebuilds on load as a byte-level BPE (`Qwen3_5Tokenizer`).
 _BYTE_LEVEL_ON_LOAD = frozenset({"qwen3_5", "qwen3_5_moe"})
@@ -44,6 +45,14 @@ def _init_zero_projections(model: torch.nn.Module) -> None:
                 param.normal_(0.0, param.shape[0] ** -0.5)
 
 
+def tiny_image_processor(family: str) -> Any:
+    """The image processor a tiny `family` model is built with (its pixel budget: the size of the prompt's image),
+    without building the model; Qwen families (those that call tools)."""
+    if family not in tool_families():
+        raise ValueError(f"tiny_image_processor builds {', '.join(tool_families())}, not {family!r}.")
+    return _BUILDERS[family].build_image_processor(family)
+
+
 def tool_families() -> list[str]:
     """The tiny families `build_tiny_vlm(..., tools=True)` builds: those whose chat template writes tool calls."""
     return [name for name, builder in _BUILDERS.items() if hasattr(builder, "tool_tokenizer")]
@@ -57,6 +66,7 @@ def build_tiny_vlm(
     words: Iterable[str] | None = None,
     image_size: int | None = None,
     tools: bool = False,
+    tool_calls: Iterable[dict[str, Any]] = (),
 ) -> str:
     """Write a complete, offline tiny VLM checkpoint directory and return its path.
 
@@ -72,6 +82,9 @@ def build_tiny_vlm(
         tools: built for tool calling (Qwen families): the family's shipped chat template (Qwen3-VL's and Qwen3.5's
             render tools; Qwen2/2.5-VL's do not, as on the Hub), Qwen's tool tokens, and a tokenizer that decodes
             text back exactly (`tiny.tokenizer.build_text_tokenizer`), so TRL parses the tool calls it generates.
+        tool_calls: with `tools`, calls the model will be taught to write (`{"name": ..., "arguments": {...}}`, e.g.
+            `vlm_grpo.tools.warm_start.shared_call`): each, as the chat template writes it between
+            `<tool_call>` and `</tool_call>`, becomes one token, so sampling writes it whole or not at all.
 
     Returns:
         The checkpoint directory: config, seeded weights (safetensors), generation config and processor
@@ -94,8 +107,11 @@ def build_tiny_vlm(
     # transformers loads every Qwen3.5 tokenizer as its own byte-level BPE class, whatever the folder says: a
     # word-level one would come back garbled ("red blue" -> no ids). Those families get the byte-level build.
     text = tools or family in _BYTE_LEVEL_ON_LOAD
-    pieces = _tool_pieces(family, spec.chat_template) if tools else []
-    tok = build_text_tokenizer(spec, extra, pieces) if text else build_tokenizer(spec, extra)
+    calls = [dict(call) for call in tool_calls]
+    if calls and not tools:
+        raise ValueError("tool_calls are calls a tool-calling model writes: build it with tools=True.")
+    pieces, phrases = _tool_pieces(family, spec.chat_template, calls) if tools else ([], [])
+    tok = build_text_tokenizer(spec, extra, pieces, phrases) if text else build_tokenizer(spec, extra)
 
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
@@ -111,7 +127,7 @@ def build_tiny_vlm(
     from ..files import follow_umask
     from ..third_party_logs import library_bars_off
 
-    out_dir = str(out_dir) if out_dir is not None else _cache_dir(family, seed, extra, image_size, tools)
+    out_dir = str(out_dir) if out_dir is not None else _cache_dir(family, seed, extra, image_size, tools, calls)
     os.makedirs(out_dir, exist_ok=True)
     with library_bars_off():  # a "Writing model shards" bar for a file written in no time
         model.save_pretrained(out_dir)
@@ -122,10 +138,11 @@ def build_tiny_vlm(
     return out_dir
 
 
-def _tool_pieces(family: str, template: str) -> list[str]:
+def _tool_pieces(family: str, template: str, calls: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
     """The pieces of a tool conversation as `family`'s template renders it (with the template the trainer installs
     where the shipped one renders no tools): the tool boilerplate, `vlm_grpo.tools.ImageTools`' schemas and a call.
-    Each becomes one token, so a tool prompt is a few hundred tokens rather than a thousand bytes."""
+    Each becomes one token, so a tool prompt is a few hundred tokens rather than a thousand bytes. Also the phrases:
+    each of `calls` as the template writes it inside `<tool_call>` tags, whole."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     from ..tools import ImageTools
@@ -135,23 +152,36 @@ def _tool_pieces(family: str, template: str) -> list[str]:
     if family in ("qwen2_vl", "qwen2_5_vl"):
         template = QWEN2_5_VL_TOOL_TEMPLATE
     environment = ImageTools()
-    call = {"type": "function", "function": {"name": "zoom", "arguments": {"x1": 0, "y1": 0, "x2": 8, "y2": 8,
-                                                                           "factor": 4}}}  # fmt: skip
-    conversation = [
-        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "name": "zoom", "content": [{"type": "image"}, {"type": "text", "text": "Zoom x4."}]},
-        {"role": "assistant", "content": "it"},
-    ]
+    sample = {"name": "zoom", "arguments": {"x1": 0, "y1": 0, "x2": 8, "y2": 8, "factor": 4}}
+
+    def conversation(call: dict[str, Any]) -> list[dict[str, Any]]:
+        return [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]},
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
+            {
+                "role": "tool",
+                "name": call["name"],
+                "content": [{"type": "image"}, {"type": "text", "text": "Zoom x4."}],
+            },
+            {"role": "assistant", "content": "it"},
+        ]
+
     tools = [environment.crop, environment.zoom, environment.rotate]
-    rendered = render_jinja_template([conversation], tools=tools, chat_template=template)[0][0]
-    return text_pieces(rendered)
+    rendered = render_jinja_template([conversation(sample)], tools=tools, chat_template=template)[0][0]
+    phrases = []
+    for call in calls:
+        text = render_jinja_template([conversation(call)], tools=tools, chat_template=template)[0][0]
+        # The conversation's last tags: the system prompt's instructions name them too.
+        start, end = text.rindex("<tool_call>") + len("<tool_call>"), text.rindex("</tool_call>")
+        phrases.append(text[start:end].strip("\n"))  # the newlines around it are tokens of the template's own
+    return text_pieces(rendered), list(dict.fromkeys(phrases))
 
 
-def _cache_dir(family: str, seed: int, words: list[str], image_size: int, tools: bool) -> str:
+def _cache_dir(family: str, seed: int, words: list[str], image_size: int, tools: bool, calls: list[dict]) -> str:
     """Where `build_tiny_vlm` writes when given no directory: one folder per model under the user's cache
     (`$XDG_CACHE_HOME` or ~/.cache), `vlm_grpo/tiny-models/<family>-<hash of the settings>`, rewritten by each build."""
-    # Tool builds hash differently; plain builds keep the folder names they always had.
-    key = json.dumps([family, seed, words, image_size, *(["tools"] if tools else [])]).encode()
+    # Tool builds hash differently; plain builds (and tool builds without calls) keep the folder names they had.
+    key = json.dumps([family, seed, words, image_size, *(["tools"] if tools else []), *([calls] if calls else [])])
+    key = key.encode()
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(cache, "vlm_grpo", "tiny-models", f"{family}-{hashlib.sha256(key).hexdigest()[:12]}")

@@ -12,7 +12,7 @@ from typing import Any
 from .sizes import HEADS, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, VISION_HEADS, VISION_HIDDEN, VISION_LAYERS
 from .tokenizer import TokenizerSpec
 
-__all__ = ["IMAGE_SIZES", "TOKENIZER", "parts", "tool_tokenizer"]
+__all__ = ["IMAGE_SIZES", "TOKENIZER", "build_image_processor", "parts", "tool_tokenizer"]
 
 _QWEN_TEMPLATE = (
     "{% for message in messages %}"
@@ -131,19 +131,27 @@ def _qwen3_5_config(name: str, text: dict, vision: dict, ids: dict) -> Any:
     return Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
 
 
-def _qwen_processor(name: str, tok, image_size: int):
+def build_image_processor(name: str) -> Any:
+    """The tiny `name` model's image processor, its pixel budget included (as on the Hub, it is the processor's):
+    at most a 4x4 grid of merged patches, 128 x 128 pixels for Qwen3-VL and Qwen3.5 (16 px patches), 112 x 112 for
+    Qwen2-VL and Qwen2.5-VL (14 px)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    patch = 16 if name in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe") else 14
+    unit = patch * 2
+    return Qwen2VLImageProcessorPil(
+        size={"shortest_edge": unit * unit, "longest_edge": (4 * unit) ** 2}, patch_size=patch, merge_size=2,
+        temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+    )  # fmt: skip
+
+
+def _qwen_processor(name: str, tok, image_size: int):
     from ..families import FAMILIES
     from ..media.video_processor import QwenVideoProcessorPil
 
-    patch = 16 if name in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe") else 14
-    # The image budget is part of the processor, as on the Hub; tiny models see at most a 4x4 grid of merged patches.
-    unit = patch * 2
+    image_processor = build_image_processor(name)
+    patch, unit = image_processor.patch_size, image_processor.patch_size * 2
     common = dict(patch_size=patch, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
-    image_processor = Qwen2VLImageProcessorPil(
-        size={"shortest_edge": unit * unit, "longest_edge": (4 * unit) ** 2}, **common
-    )
     # Video: at most a 2x2 grid of merged patches per frame (4 tokens per temporal step); Qwen3-VL's budget covers the
     # whole clip (frames x area), here 16 frames' worth.
     frames = 16 if FAMILIES[name].video_budget == "clip" else 1

@@ -151,7 +151,9 @@ def text_pieces(text: str) -> list[str]:
     return list(dict.fromkeys(p.strip(" ") for p in regex.findall(_QWEN_PRETOKENIZE, text) if p.strip()))
 
 
-def build_text_tokenizer(family: TokenizerSpec, words: Iterable[str], pieces: Iterable[str] = ()) -> Any:
+def build_text_tokenizer(
+    family: TokenizerSpec, words: Iterable[str], pieces: Iterable[str] = (), phrases: Iterable[str] = ()
+) -> Any:
     """The family's tokenizer as a byte-level BPE, the kind real Qwen tokenizers are: it decodes any text back exactly
     (`decode(encode(text)) == text`). For tool calling: TRL parses tool calls out of the decoded completion (JSON or
     XML inside `<tool_call>`), which the word-level tokenizer (`build_tokenizer`: spaces between all tokens, unknown
@@ -160,7 +162,9 @@ def build_text_tokenizer(family: TokenizerSpec, words: Iterable[str], pieces: It
     The base words, the tool schema words, `words` and `pieces` (`text_pieces` of text the model will read often,
     e.g. its tools' schemas: fewer tokens per prompt) are one token each, with and without a leading space (merges
     learned from them alone); any other text falls back to bytes. The family's special tokens are split out first, and
-    its `added` tokens (not special: decoding with `skip_special_tokens=True` keeps them).
+    its `added` tokens (not special: decoding with `skip_special_tokens=True` keeps them), and `phrases`: whole texts
+    that become one token each wherever they occur, added as those are (e.g. a tool call the model is taught to write:
+    one token to sample rather than fifty that sampling can break).
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -179,7 +183,7 @@ def build_text_tokenizer(family: TokenizerSpec, words: Iterable[str], pieces: It
     )  # fmt: skip
     backend.train_from_iterator([f"{w} {w}" for w in known], trainer=trainer)  # each word bare and after a space
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in family.special_tokens])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in family.added])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in [*family.added, *phrases]])
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, unk_token="<unk>", padding_side="left", pad_token=family.pad,
         eos_token=family.eos[0], bos_token=family.bos, extra_special_tokens=dict(family.extra_special),

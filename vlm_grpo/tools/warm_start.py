@@ -16,8 +16,10 @@ lack) or processes the completion without its images (the tool's image in the mi
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import random
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,11 +31,22 @@ from ..media.pixel_budget import pixel_budget_for_call
 from ..private_api import tool_suffix_ids
 from .templates import prepare_tool_template
 
-__all__ = ["WarmStart", "demonstration_box", "tool_trace", "tool_warm_start"]
+__all__ = [
+    "ZOOM",
+    "WarmStart",
+    "demonstration_box",
+    "demonstration_call",
+    "shared_call",
+    "tool_trace",
+    "tool_warm_start",
+]
 
 # The zoom a trace asks for: a box a quarter of the image's side, enlarged 4 times, comes back at the prompt image's
 # size (the largest the processor's budget lets through unshrunk) showing that quarter at 4 times the detail.
 ZOOM = 4
+# Traces kept in memory for the next epoch (decoding a large image, fitting it and rendering the conversation cost
+# about as much as the step that trains on it); past this, a trace is made again each time its row comes round.
+_KEEP_BYTES = 1 << 30
 
 
 def demonstration_box(bbox: Sequence[float], source_size: tuple[int, int], frame_size: tuple[int, int],
@@ -57,6 +70,28 @@ def demonstration_box(bbox: Sequence[float], source_size: tuple[int, int], frame
         box.append(min(max(0, start), frame_size[axis] - side))
     side_x, side_y = frame_size[0] // zoom, frame_size[1] // zoom
     return box[0], box[1], box[0] + side_x, box[1] + side_y
+
+
+def demonstration_call(bbox: Sequence[float], source_size: tuple[int, int], frame_size: tuple[int, int],
+                       zoom: int = ZOOM) -> dict[str, Any]:  # fmt: skip
+    """The `zoom` call a trace writes, `{"name": "zoom", "arguments": {"x1": ..., "y1": ..., "x2": ..., "y2": ...,
+    "factor": zoom}}`: `zoom` times on `demonstration_box(bbox, source_size, frame_size, zoom)`.
+
+    >>> demonstration_call((509, 509, 515, 515), (1024, 1024), (128, 128), zoom=8)["arguments"]
+    {'x1': 56, 'y1': 56, 'x2': 72, 'y2': 72, 'factor': 8}
+    """
+    box = demonstration_box(bbox, source_size, frame_size, zoom)
+    return {"name": "zoom", "arguments": dict(zip(("x1", "y1", "x2", "y2"), box, strict=True)) | {"factor": zoom}}
+
+
+def shared_call(bboxes: Sequence[Sequence[float]], source_size: tuple[int, int], frame_size: tuple[int, int],
+                zoom: int = ZOOM) -> dict[str, Any] | None:  # fmt: skip
+    """The call (`demonstration_call`) that more than half of the traces of marks at `bboxes` write, or None: a mark
+    in a known place (`zoom_color`: every trace writes the same call), for a tiny model's tokenizer to make it one
+    token (`build_tiny_vlm(tool_calls=...)`). Marks anywhere (`zoom`) share none."""
+    counts = Counter(json.dumps(demonstration_call(b, source_size, frame_size, zoom)) for b in bboxes)
+    text, count = counts.most_common(1)[0] if counts else ("", 0)
+    return json.loads(text) if count * 2 > len(bboxes) else None
 
 
 def environment_tools(environment: Any) -> list[Any]:
@@ -111,8 +146,8 @@ def tool_trace(row: dict[str, Any], processor: Any, environment_factory: Any = N
         environment.reset(**prepared)
         tools = environment_tools(environment)
         frame = images[0].size
-        box = demonstration_box(row["bbox"], (source_image_sizes(prepared) or [frame])[0], frame, zoom)
-        arguments = dict(zip(("x1", "y1", "x2", "y2"), box, strict=True)) | {"factor": zoom}
+        arguments = demonstration_call(row["bbox"], (source_image_sizes(prepared) or [frame])[0], frame, zoom)
+        arguments = arguments["arguments"]
         turns = [_call("zoom", arguments), {"role": "tool", "name": "zoom", "content": environment.zoom(**arguments)}]
 
     def render(messages: list[dict[str, Any]], **kwargs: Any) -> Any:
@@ -229,19 +264,28 @@ def tool_warm_start(
     order = random.Random(seed)
     indices: list[int] = []
     losses: list[float] = []
+    traces: dict[int, dict[str, Any]] = {}  # each row's trace, the same every epoch: made once, up to _KEEP_BYTES
+    kept = 0
     was_training = model.training
     model.train()
     try:
         with pixel_budget_for_call(processor, min_pixels, max_pixels) as budget:
             for _ in range(steps):
-                batch_rows = []
+                batch = []
                 for _ in range(batch_size):
                     if not indices:
                         indices = list(range(len(dataset)))
                         order.shuffle(indices)
-                    batch_rows.append(dict(dataset[indices.pop()]))
-                traces = [tool_trace(r, processor, environment_factory, budget=budget, zoom=zoom) for r in batch_rows]
-                batch = {k: v.to(device) for k, v in _collate(traces, tokenizer.pad_token_id).items()}
+                    index = indices.pop()
+                    trace = traces.get(index)
+                    if trace is None:
+                        trace = tool_trace(dict(dataset[index]), processor, environment_factory, budget=budget,
+                                           zoom=zoom)  # fmt: skip
+                        size = sum(v.numel() * v.element_size() for v in trace.values())
+                        if kept + size <= _KEEP_BYTES:
+                            traces[index], kept = trace, kept + size
+                    batch.append(trace)
+                batch = {k: v.to(device) for k, v in _collate(batch, tokenizer.pad_token_id).items()}
                 loss = model(**batch).loss
                 loss.backward()
                 optimizer.step()

@@ -251,8 +251,8 @@ def _shown(value: Any, spec: str) -> str:
 def reward_summary(logs: dict[str, Any], accuracy: str | None = None) -> dict[str, str]:
     """The few numbers worth watching in a training log record: the mean training reward, each reward function's
     mean under its own name when there are several (one function's mean is the reward itself: shown once), the one
-    named `accuracy` first, and the KL, formatted (`–` where a value is None or NaN). These are training numbers,
-    not the held-out accuracy the command prints before and after.
+    named `accuracy` first, the KL, and with tools the calls per rollout and the malformed ones, formatted (`–` where
+    a value is None or NaN). These are training numbers, not the held-out accuracy the command prints before and after.
 
     >>> reward_summary({"reward": None, "rewards/score/mean": float("nan"), "kl": 0.0123})
     {'reward': '–', 'kl': '0.0123'}
@@ -267,6 +267,11 @@ def reward_summary(logs: dict[str, Any], accuracy: str | None = None) -> dict[st
             shown[name[:16]] = _shown(means[name], ".3f")
     if "kl" in logs:
         shown["kl"] = _shown(logs["kl"], ".3g")
+    # A run with tools: calls per rollout, and the turns that opened a call and wrote none that parses (what sampling
+    # breaks first).
+    for key, name in (("tools/call_frequency", "calls"), ("tools/malformed_frequency", "malformed")):
+        if key in logs:
+            shown[name] = _shown(logs[key], ".2f")
     return shown
 
 
