@@ -295,9 +295,16 @@ def run_worker(args) -> None:
 # ----------------------------------------------------------------------------------------------- orchestrator
 
 
-def main(argv=None) -> None:
-    from step_report import markdown, summary
+def _failure(stderr: str) -> str:
+    """The line that says why a worker failed: its last error line, not a warning printed at exit."""
+    if "OutOfMemoryError" in stderr:
+        return "out of memory"
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line and "Warning" not in line]
+    return (errors or lines or ["no output"])[-1][-200:]
 
+
+def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker:
         run_worker(args)
@@ -333,11 +340,20 @@ def main(argv=None) -> None:
             )
             if proc.returncode != 0:
                 print(proc.stdout[-2000:], proc.stderr[-6000:], flush=True)
-                last = [line for line in proc.stderr.strip().splitlines() if line.strip()][-1:] or ["no output"]
-                failures[name] = "out of memory" if "OutOfMemoryError" in proc.stderr else last[0][-200:]
-                continue
-            with open(out) as f:
-                runs[name].append(json.load(f))
+                failures[name] = _failure(proc.stderr)
+            else:
+                with open(out) as f:
+                    runs[name].append(json.load(f))
+            _write_report(args, env, runs, failures, echo=False)
+    _write_report(args, env, runs, failures)
+
+
+def _write_report(args, env: dict, runs: dict, failures: dict, echo: bool = True) -> None:
+    """Print and write results.md / results.json from the runs so far. Called after every worker, so an invocation cut
+    short (a machine's time limit) still leaves the table of the trainers that finished."""
+    from memory_peak import markdown as memory_markdown
+    from step_report import markdown, summary
+
     summaries = {}
     for name, name_runs in runs.items():
         if name_runs:  # each run's first steps are warm-up; the warm-up column shows the first run's first step
@@ -360,12 +376,11 @@ def main(argv=None) -> None:
         if q := run_summary["quantized_generation"]:
             table += (f"\n{name}: quantised layers generate in {q['mode']} mode ({q['layers']} layers, "
                       f"{q['copy_gib']:.1f} GiB of 16-bit copies)\n")  # fmt: skip
-    from memory_peak import markdown as memory_markdown
-
     for name, name_runs in runs.items():
         if name_runs and name_runs[0].get("memory_peak"):
             table += memory_markdown(name, name_runs[0]["memory_peak"])
-    print(table, flush=True)
+    if echo:
+        print(table, flush=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"args": vars(args), "env": env, "summaries": summaries, "runs": runs, "failures": failures}, f,
                   indent=1)  # fmt: skip

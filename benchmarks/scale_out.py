@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -77,25 +78,36 @@ def _read_json(path: str) -> dict:
         return json.load(f)
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill a launcher and every rank it started (they share its process group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def _launch(config: str, args: list[str], out: str, timeout: int, extra: list[str] = (), env=None) -> dict:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            os.path.join(ROOT, "examples", "accelerate", f"{config}.yaml"), *extra, TRAIN, out, *args]  # fmt: skip
     start = time.perf_counter()
+    # Its own process group: a timeout kills accelerate's ranks too, not only the launcher (a rank left running kept
+    # 53 GiB on a GPU and the next run died out of memory).
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
-        rc, err = proc.returncode, proc.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, err = (
-            "timeout",
-            (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr),
-        )
+        _, err = proc.communicate(timeout=timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        _, err = proc.communicate()
+        rc = "timeout"
     result = {"rc": rc, "wall_s": round(time.perf_counter() - start, 1)}
     ranks = (
         [os.path.join(out, f) for f in sorted(os.listdir(out)) if f.startswith("rank")] if os.path.isdir(out) else []
     )
     result["ranks"] = [_read_json(p) for p in ranks]
     if rc != 0:
-        lines = [x for x in err.splitlines() if "Error" in x or "out of memory" in x.lower()]
+        lines = [x for x in err.splitlines() if ("Error" in x or "out of memory" in x.lower()) and "Warning" not in x]
         result["error"] = lines[-6:] or err.splitlines()[-20:]
     return result
 
@@ -117,13 +129,15 @@ def _two_machines(out: str, timeout: int) -> dict:
                "-m", "vlm_grpo.cli", "--output_dir", out, "--max_steps", "3", "--logging_steps", "1",
                "--train_size", "32", "--test_size", "8"]  # fmt: skip
         log = open(os.path.join(os.path.dirname(out), f"two-machines-rank{rank}.log"), "w")  # noqa: SIM115 (open while the process runs)
-        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+        procs.append(
+            (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True), log)
+        )
     rcs = []
     for proc, log in procs:
         try:
             rcs.append(proc.wait(timeout=timeout))
         except subprocess.TimeoutExpired:
-            proc.kill()
+            _kill_group(proc)
             rcs.append("timeout")
         log.close()
     metrics = os.path.join(out, "metrics.jsonl")
