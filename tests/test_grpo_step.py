@@ -1,0 +1,25 @@
+"""`benchmarks/grpo_step.py`: a failed worker's row names its error, not the warning torch prints as it exits."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+from grpo_step import _failure
+
+# The tail of the 7B TRL + vLLM worker that crashed on a sampled image pad (H100, 2026-11-27).
+CRASH = """[rank0]:     raise error_type(message_evaluated)
+[rank0]: ValueError: Image features and image tokens do not match, tokens: 4097, features: 4096
+[rank0]:[W1127 18:01:02.1 ProcessGroupNCCL.cpp:1575] Warning: WARNING: destroy_process_group() was not called before program exit, which can leak resources.
+"""
+
+
+def test_the_error_line_is_named_not_the_exit_warning():
+    assert _failure(CRASH) == (
+        "[rank0]: ValueError: Image features and image tokens do not match, tokens: 4097, features: 4096"
+    )
+    assert _failure("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB") == "out of memory"
+    assert _failure("only a line\n") == "only a line"
+    assert _failure("") == "no output"
