@@ -122,3 +122,56 @@ def test_the_next_trainers_config_decides_and_other_forwards_are_left_alone(tiny
     assert compiled.attach(model) == len(modules) - 1 and patched not in compiled.modules
     compiled.detach()
     assert vars(patched)["forward"] is own and detach_all(model) == 0
+
+
+def test_linear_attention_layers_compile_with_convolution_and_scan_left_eager_and_no_graph_per_length(
+    tiny_dir, fresh_dynamo
+):
+    # Qwen3.5's gated delta net (LoRA on its projections): outputs and gradients as eager at 2 to 5 chunks of 64
+    # tokens, and from the third length on no new graph (the lengths of packed training rows change every step): the
+    # scan's Python loop and the convolution's backward, which recompile per length when compiled, run eagerly.
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    from vlm_grpo.engine.compiled_layers import LEFT_EAGER
+
+    model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen3_5", words=COLORS), full_finetuning=False)
+    model = FastVisionModel.get_peft_model(model, r=4, init_lora_weights=False)
+    layer = next(m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet")
+    lora = [p for n, p in layer.named_parameters() if "lora_" in n]
+    assert lora
+
+    def run(length):
+        torch.manual_seed(length)
+        hidden = torch.randn(2, length, model.config.get_text_config().hidden_size, requires_grad=True)
+        out = layer(hidden)
+        (out * torch.randn_like(out)).sum().backward()
+        grads = [hidden.grad.clone(), *(p.grad.clone() for p in lora)]
+        for p in lora:
+            p.grad = None
+        return out.detach(), grads
+
+    lengths = (70, 130, 200, 260)
+    eager = {n: run(n) for n in lengths}
+    compiled = CompiledLayers()
+    compiled.attach(model)
+    assert compiled.modules and layer not in compiled.modules  # not without asking
+    assert compiled.attach(model, linear_attention=True) == len(compiled.modules) and layer in compiled.modules
+    graphs = []
+    for n in lengths:
+        out, grads = run(n)
+        assert (out - eager[n][0]).abs().max() <= 1e-5 * eager[n][0].abs().max(), n
+        for grad, reference in zip(grads, eager[n][1], strict=True):
+            assert (grad - reference).norm() <= 1e-4 * reference.norm() + 1e-8, n
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[3] == graphs[2], graphs  # compiled, and a fourth length compiles nothing new
+    assert all(getattr(getattr(modeling_qwen3_5, name), "_left_eager", False) for name in LEFT_EAGER)
+    compiled.detach()
+    assert "forward" not in vars(layer)
+
+
+def test_the_trainer_compiles_linear_attention_only_when_asked(tiny_dir, tmp_path):
+    plain = _trainer(tiny_dir, tmp_path, "qwen3_5", lora="both", compile_layers=True)
+    asked = _trainer(tiny_dir, tmp_path, "qwen3_5", lora="both", compile_layers=True, compile_linear_attention=True)
+    linear = [m for m in asked.compiled_layers.modules if type(m).__name__ == "Qwen3_5GatedDeltaNet"]
+    assert linear and not any(type(m).__name__ == "Qwen3_5GatedDeltaNet" for m in plain.compiled_layers.modules)
+    assert len(asked.compiled_layers.modules) == len(plain.compiled_layers.modules) + len(linear)

@@ -21,6 +21,12 @@ registered inside these modules after their first training step do not run in th
 not guard on hooks): `compile_layers=False` for such hooks. Not with reentrant checkpointing, whose first forward
 runs without gradients (eager) and whose recomputation would then run compiled: a dropout would draw another mask.
 
+Linear-attention layers (Qwen3.5's gated delta net, `linear_attn`) are compiled too when asked
+(`compile_linear_attention`): their projections, gates and gated norm, with the short causal convolution and the
+chunked scan left eager (called through `torch.compiler.disable`: graph breaks). Compiled, the scan's Python loop over
+64-token chunks unrolls into one graph per sequence length, and Inductor's convolution backward guards on the length:
+either recompiles at every new length (measured). Off by default until measured on the GPU.
+
 `compiled_layers` decides whether a model can take it (`unsupported_reason`); the results are the eager ones up to
 float rounding of fused kernels (tests: loss and every gradient against the eager modules).
 """
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -45,6 +52,10 @@ logger = logging.getLogger(__name__)
 
 # The children of a checkpointable layer that are compiled (the attention and the MLP of transformers' layers).
 COMPILED_CHILDREN = ("self_attn", "mlp")
+# The linear-attention child (Qwen3.5), compiled on request, and the functions its forward calls by name that stay
+# eager: the short causal convolution and the chunked gated delta rule.
+LINEAR_ATTENTION_CHILD = "linear_attn"
+LEFT_EAGER = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
 
 
 def _checkpointable_layers(model: nn.Module) -> list[nn.Module]:
@@ -85,11 +96,13 @@ class CompiledLayers:
         self.modules: list[nn.Module] = []
         self._said: set[str] = set()
 
-    def attach_as_configured(self, model: nn.Module, setting: bool | None, blocked_by: str | None = None) -> None:
+    def attach_as_configured(
+        self, model: nn.Module, setting: bool | None, blocked_by: str | None = None, linear_attention: bool = False
+    ) -> None:
         """`attach` as `VLMGRPOConfig.compile_layers` asks: None is on for a model on a GPU (where the training phase
         is host-bound), False off. `blocked_by` names a trainer setting that rules it out (torch_compile, sharded
         layers); that, or what `unsupported_reason` finds, leaves the layers uncompiled, said once when they were
-        asked for by name. Idempotent; compiled forwards another trainer left on the model are removed first (this
+        asked for by name. `linear_attention`: the linear-attention layers too. Idempotent; compiled forwards another trainer left on the model are removed first (this
         config decides)."""
         if not self.modules:
             detach_all(model)
@@ -102,18 +115,22 @@ class CompiledLayers:
                 logger.warning("compile_layers=True, but the layers are left uncompiled: %s.", reason)
             return
         before = len(self.modules)
-        count = self.attach(model)
+        count = self.attach(model, linear_attention)
         if count != before:
             logger.info("Compiled the training forward of %d attention / MLP modules (the first step compiles them).",
                         count)  # fmt: skip
 
-    def attach(self, model: nn.Module) -> int:
-        """Give the `COMPILED_CHILDREN` of every checkpointable layer of `model` their compiled training forward;
-        returns how many modules have one. Idempotent; a module whose forward someone else replaced is left alone."""
+    def attach(self, model: nn.Module, linear_attention: bool = False) -> int:
+        """Give the `COMPILED_CHILDREN` of every checkpointable layer of `model` (and with `linear_attention` its
+        `LINEAR_ATTENTION_CHILD`) their compiled training forward; returns how many modules have one. Idempotent; a
+        module whose forward someone else replaced is left alone."""
+        names = (*COMPILED_CHILDREN, LINEAR_ATTENTION_CHILD) if linear_attention else COMPILED_CHILDREN
         for layer in _checkpointable_layers(model):
-            for name in COMPILED_CHILDREN:
+            for name in names:
                 child = getattr(layer, name, None)
                 if isinstance(child, nn.Module) and "forward" not in child.__dict__:
+                    if name == LINEAR_ATTENTION_CHILD:
+                        _leave_eager(child)
                     child.forward = _TrainingForward(child)
                     self.modules.append(child)
         return len(self.modules)
@@ -123,6 +140,19 @@ class CompiledLayers:
         for child in self.modules:
             _remove(child)
         self.modules = []
+
+
+def _leave_eager(module: nn.Module) -> None:
+    """Have the forward of `module` call the `LEFT_EAGER` functions of its transformers module through
+    `torch.compiler.disable`: compiled code breaks the graph there and runs them as written (outside compilation the
+    wrapper calls them unchanged). Set once per transformers module, so for every model of that family."""
+    source = sys.modules[type(module).__module__]
+    for name in LEFT_EAGER:
+        function = getattr(source, name, None)
+        if callable(function) and not getattr(function, "_left_eager", False):
+            eager = torch.compiler.disable(function)
+            eager._left_eager = True
+            setattr(source, name, eager)
 
 
 def detach_all(model: nn.Module) -> int:

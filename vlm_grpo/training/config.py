@@ -186,6 +186,12 @@ class VLMGRPOConfig(GRPOConfig):
                   "torch_compile, Unsloth, reentrant checkpointing and for 4-bit / 8-bit models. Module hooks added "
                   "inside these layers after the first step do not run in the training forward: False for those."},
     )  # fmt: skip
+    compile_linear_attention: bool = field(
+        default=False,
+        metadata={"help": "With compile_layers: also compile the linear-attention layers' training forward "
+                  "(Qwen3.5's gated delta net: projections, gates, gated norm; its short convolution and chunked "
+                  "scan stay eager). The same loss and gradients; off until its GPU speed is measured."},
+    )  # fmt: skip
     compile_cache_dir: str | None = field(
         default=None,
         metadata={"help": "Where compiled code is kept for later runs, on this machine or another (torch's portable "

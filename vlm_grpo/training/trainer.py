@@ -207,8 +207,9 @@ class VLMGRPOTrainer(GRPOTrainer):
             "torch_compile compiles the whole model" if self.args.torch_compile
             else "sharded (FSDP1 / DeepSpeed) layers" if fsdp1 or self.is_deepspeed_enabled else None
         )  # fmt: skip
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        self.compiled_layers.attach_as_configured(unwrapped, getattr(self.args, "compile_layers", None), blocked_by)
+        args, unwrapped = self.args, self.accelerator.unwrap_model(self.model)
+        self.compiled_layers.attach_as_configured(unwrapped, getattr(args, "compile_layers", None), blocked_by,
+                                                  getattr(args, "compile_linear_attention", False))  # fmt: skip
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`, after checking this TRL can compute GRPO log-probs on this device.
