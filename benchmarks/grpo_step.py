@@ -328,6 +328,7 @@ def main(argv=None) -> None:
     runs: dict = {t: [] for t in trainers}
     failures: dict = {}
     forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]
+    table = ""
     for round_index in range(args.rounds):
         order = trainers if round_index % 2 == 0 else trainers[::-1]  # alternate so drift hits all sides
         for name in order:
@@ -345,12 +346,12 @@ def main(argv=None) -> None:
             else:
                 with open(out) as f:
                     runs[name].append(json.load(f))
-            _write_report(args, env, runs, failures, echo=False)
-    _write_report(args, env, runs, failures)
+            table = _write_report(args, env, runs, failures)
+    print(table, flush=True)
 
 
-def _write_report(args, env: dict, runs: dict, failures: dict, echo: bool = True) -> None:
-    """Print and write results.md / results.json from the runs so far. Called after every worker, so an invocation cut
+def _write_report(args, env: dict, runs: dict, failures: dict) -> str:
+    """Write results.md / results.json from the runs so far and return the table. Called after every worker, so an invocation cut
     short (a machine's time limit) still leaves the table of the trainers that finished."""
     from memory_peak import markdown as memory_markdown
     from step_report import markdown, summary
@@ -380,13 +381,12 @@ def _write_report(args, env: dict, runs: dict, failures: dict, echo: bool = True
     for name, name_runs in runs.items():
         if name_runs and name_runs[0].get("memory_peak"):
             table += memory_markdown(name, name_runs[0]["memory_peak"])
-    if echo:
-        print(table, flush=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"args": vars(args), "env": env, "summaries": summaries, "runs": runs, "failures": failures}, f,
                   indent=1)  # fmt: skip
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)
+    return table
 
 
 if __name__ == "__main__":
