@@ -29,14 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..models.sharded import whole
+
 __all__ = ["GenerationCopy"]
 
 logger = logging.getLogger(__name__)
-
-
-def _full(param: torch.Tensor) -> torch.Tensor:
-    """`param` whole on this rank: a sharded (DTensor) parameter gathered, a plain one as it is."""
-    return param.full_tensor() if hasattr(param, "full_tensor") else param
 
 
 class GenerationCopy:
@@ -87,7 +84,7 @@ class GenerationCopy:
                 if target is None:
                     raise RuntimeError(f"The generation copy has no parameter {name!r}: the sharded model changed "
                                        "after the copy was made (fsdp_generation_copy=False to gather instead).")  # fmt: skip
-                target.copy_(_full(param))
+                target.copy_(whole(param))
         self.step = step
         self.refreshes += 1
         return self.model

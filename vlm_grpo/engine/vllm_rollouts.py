@@ -46,6 +46,7 @@ import torch
 from trl.generation.vllm_generation import VLLMGeneration
 
 from ..media.pixel_budget import processor_pixel_budget
+from ..models.sharded import whole
 from .fused_projections import merges_as_a_delta
 from .vllm_sampling import VLLMSampling, placeholder_ids
 
@@ -127,10 +128,6 @@ def _is_zero3() -> bool:
     return is_deepspeed_zero3_enabled()
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
 def merged_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]] | None:
     """Every weight of PEFT `model` under the name transformers gives it without PEFT, each LoRA-adapted one merged
     out of place (`W + scaling * B @ A` in a new tensor; the base weight untouched), one at a time; FSDP2 shards are
@@ -149,11 +146,11 @@ def merged_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]] | None:
                 name = name.removeprefix("base_model.model.").replace(".base_layer", "")
                 name = name.replace("modules_to_save.default.", "").replace("_checkpoint_wrapped_module.", "")
                 sharded = hasattr(param, "full_tensor")  # FSDP2: gathered (a collective), a new tensor already
-                value, layer = (param.full_tensor() if sharded else param.data), owners.get(id(param))
+                value, layer = (whole(param) if sharded else param.data), owners.get(id(param))
                 if layer is not None and not layer.disable_adapters:
                     value = value if sharded else value.clone()
                     for adapter in (a for a in layer.active_adapters if a in layer.lora_A):
-                        lora_a, lora_b = _full(layer.lora_A[adapter].weight), _full(layer.lora_B[adapter].weight)
+                        lora_a, lora_b = whole(layer.lora_A[adapter].weight), whole(layer.lora_B[adapter].weight)
                         value.addmm_(lora_b.to(value.dtype), lora_a.to(value.dtype), alpha=layer.scaling[adapter])
                 yield name, value
 

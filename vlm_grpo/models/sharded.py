@@ -23,7 +23,13 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["full_weights", "is_main_process", "sharding", "unsupported_reason"]
+__all__ = ["full_weights", "is_main_process", "sharding", "unsupported_reason", "whole"]
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` whole on this rank: an FSDP2 (DTensor) shard gathered, a collective every rank takes; a plain tensor
+    as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def _fsdp2_units(model: nn.Module) -> list[nn.Module]:
