@@ -24,6 +24,7 @@ sharding (`fully_shard` per decoder layer and vision block), checkpoints and the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -74,7 +75,9 @@ class _GradedReward:
         return rewards
 
 
-def _model_and_data(name: str, out_dir: str, rank: int, image_size: int, full: bool, seed: int, dtype: torch.dtype):
+def _model_and_data(
+    name: str, out_dir: str, rank: int, image_size: int, full: bool, seed: int, dtype: torch.dtype, device_map=None
+):
     import numpy as np
     from datasets import Dataset
     from PIL import Image
@@ -94,7 +97,7 @@ def _model_and_data(name: str, out_dir: str, rank: int, image_size: int, full: b
 
         # Every rank builds the same seeded model in its own directory: no file races, identical weights.
         path = build_tiny_vlm(name, os.path.join(out_dir, f"model-rank{rank}"), seed=seed)
-    model, processor = FastVisionModel.from_pretrained(path, full_finetuning=full, dtype=dtype)
+    model, processor = FastVisionModel.from_pretrained(path, full_finetuning=full, dtype=dtype, device_map=device_map)
     rng = np.random.default_rng(seed)
     rows = [{"prompt": [{"role": "user", "content": "What colour is the shape ?"}],
              "image": Image.fromarray(rng.integers(0, 256, (image_size, image_size, 3), dtype=np.uint8))}
@@ -152,13 +155,20 @@ def _compiled_graphs() -> int:
 def _lora_b_moved(model) -> dict[str, int]:
     from vlm_grpo.models.hooks import VISION_TOWER_NAMES
 
+    from vlm_grpo.models.sharded import whole
+
     counts = {"vision_total": 0, "vision_moved": 0, "language_total": 0, "language_moved": 0}
     for name, param in model.named_parameters():
         if "lora_B" in name:
             side = "vision" if any(f".{v}." in name for v in VISION_TOWER_NAMES) else "language"
             counts[f"{side}_total"] += 1
-            counts[f"{side}_moved"] += int(bool(param.detach().abs().sum() > 0))
+            counts[f"{side}_moved"] += int(bool(whole(param.detach()).abs().sum() > 0))  # a shard gathered alone
     return counts
+
+
+def _write_record(out_dir: str, rank: int, record: dict) -> None:
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
 
 
 def _check_export(trainer, processor, out_dir: str, final: str, base_path: str) -> dict[str, float]:
@@ -224,6 +234,12 @@ def main() -> None:
     parser.add_argument("--use_vllm", action="store_true", help="rollouts through vLLM colocated on each GPU")
     parser.add_argument("--vllm_tp", type=int, default=1, help="vLLM tensor parallel size (divides the GPUs)")
     parser.add_argument("--vllm_memory", type=float, default=0.3, help="vLLM's share of each GPU")
+    parser.add_argument("--device_map", default=None, choices=["cpu"],
+                        help="cpu: load each rank's model in host memory (FSDP2 moves only its shards to the GPU: a "
+                             "model one GPU cannot hold, with vLLM started before it)")  # fmt: skip
+    parser.add_argument("--stream_checks", action="store_true",
+                        help="after training, gather one weight at a time only: no check that holds the whole model "
+                             "on a GPU (a 32B model beside vLLM); the vLLM-sync and copy gaps are skipped")  # fmt: skip
     parser.add_argument("--trl", action="store_true",
                         help="plain trl.GRPOTrainer on the transformers model with a LoRA peft_config (the baseline)")  # fmt: skip
     parser.add_argument("--no_generation_copy", action="store_true",
@@ -242,7 +258,7 @@ def main() -> None:
             _allow_fsdp_on_cpu()
 
     from vlm_grpo.models.loader import FastVisionModel
-    from vlm_grpo.models.sharded import full_weights, sharding
+    from vlm_grpo.models.sharded import full_weights, sharding, whole
     from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
     # The model is built before the config: once the config has set up the process group, transformers'
@@ -256,6 +272,7 @@ def main() -> None:
         args.full,
         args.seed,
         getattr(torch, args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")),
+        args.device_map,
     )
     config = VLMGRPOConfig(
         output_dir=os.path.join(args.out_dir, "run"), per_device_train_batch_size=args.batch,
@@ -300,21 +317,24 @@ def main() -> None:
         "sampling_rounds": [h.get("dynamic_sampling/rounds") for h in history],
         "reward_calls": getattr(reward, "calls", None),
     }  # fmt: skip
+    _write_record(args.out_dir, rank, record)  # the training's numbers first: a check below that fails leaves them
     if record["sharding"] == "fsdp2":  # every gather for generation was given back: the weights are shards again
         record["resharded"] = all(type(p).__name__ == "DTensor" for p in trainer.model_wrapped.parameters())
-    if not args.full:  # the weights a vLLM sync would send, gathered from the shards, against the unsharded model's
+    if not args.full and not args.stream_checks:  # the weights a vLLM sync sends, from the shards vs the gathered model
         record["vllm_sync"] = _vllm_sync_gap(trainer, full_weights)
     copy = trainer.generation_copy
     record["generation_copy"] = copy.stats()
     if copy.model is not None:  # refreshed to the final weights (a collective), compared below with the gathered ones
         copy.refreshed(trainer.model_wrapped, -1)
-    with full_weights(trainer.model_wrapped):  # every rank gathers; the same numbers on each when shards agree
-        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-        if copy.model is not None:  # 0: the copy is the model (trainable weights refreshed, frozen ones untouched)
-            own = dict(copy.model.named_parameters())
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    # Every rank gathers (the whole model, or with --stream_checks one weight at a time: a collective each); the same
+    # numbers on each when the shards agree.
+    with contextlib.nullcontext() if args.stream_checks else full_weights(trainer.model_wrapped):
+        record["checksum"] = float(sum(whole(p.detach()).double().sum() for p in unwrapped.parameters()))
+        if copy.model is not None and not args.stream_checks:  # 0: the copy is the model (trainable weights
+            own = dict(copy.model.named_parameters())  # refreshed, frozen ones untouched)
             record["copy_gap"] = max(float((own[n].float() - p.detach().float()).abs().max())
                                      for n, p in unwrapped.named_parameters())  # fmt: skip
-        record["checksum"] = float(sum(p.detach().double().sum() for p in unwrapped.parameters()))
         if record["sharding"] is None:  # replicas (DDP): bit-identical, not just equal sums
             digest = hashlib.sha256()
             for p in unwrapped.parameters():
@@ -327,8 +347,7 @@ def main() -> None:
     record["final_files"] = sorted(os.listdir(final)) if trainer.accelerator.is_main_process else None
     if args.export:
         record["export"] = _check_export(trainer, processor, args.out_dir, final, base_path)
-    with open(os.path.join(args.out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(record, f)
+    _write_record(args.out_dir, rank, record)
     print(json.dumps(record), flush=True)
     # Every rank done, then the process group torn down before the interpreter exits: left to exit, gloo's threads
     # were seen to abort a rank ("terminate called without an active exception") after its work was written.

@@ -25,6 +25,10 @@ TRAIN = os.path.join(ROOT, "benchmarks", "distributed_train.py")
 # 448x448 images (256 image tokens), 64 new tokens, G=4 completions of 8 rows per GPU: a short but real step.
 REAL = ["--image_size", "448", "--max_completion_length", "64", "--batch", "8", "--generations", "4"]
 X4 = ["--num_processes", "4"]
+# 32B: loaded in host memory on each rank (4 x 64 GB of the host's 512), so only FSDP2's shards reach the GPUs and
+# vLLM, started before them, finds its share free; after training no check holds the whole model on a GPU (the first
+# run trained its 3 steps, then went out of memory gathering all 64 GB beside vLLM to compare the sync's weights).
+BIG = [*REAL, "--device_map", "cpu", "--stream_checks"]
 # name -> (accelerate config, distributed_train.py flags, extra `accelerate launch` flags)
 RUNS = {
     "1gpu-3b": ("ddp", ["--model", "qwen2.5-vl-3b", "--steps", "5", *REAL], ["--num_processes", "1"]),
@@ -66,10 +70,10 @@ RUNS = {
     # tensor parallelism over the 4 GPUs; beside it TRL's own FSDP2 path (generate through FSDP's hooks).
     "fsdp2-32b-vllm-tp4": (
         "fsdp2",
-        ["--model", "qwen2.5-vl-32b", "--steps", "3", "--use_vllm", "--vllm_tp", "4", "--vllm_memory", "0.35", *REAL],
+        ["--model", "qwen2.5-vl-32b", "--steps", "3", "--use_vllm", "--vllm_tp", "4", "--vllm_memory", "0.35", *BIG],
         X4,
     ),
-    "trl-fsdp2-32b": ("fsdp2", ["--model", "qwen2.5-vl-32b", "--steps", "3", "--trl", *REAL], X4),
+    "trl-fsdp2-32b": ("fsdp2", ["--model", "qwen2.5-vl-32b", "--steps", "3", "--trl", *BIG], X4),
 }
 
 
@@ -102,6 +106,9 @@ def _launch(config: str, args: list[str], out: str, timeout: int, extra: list[st
         _, err = proc.communicate()
         rc = "timeout"
     result = {"rc": rc, "wall_s": round(time.perf_counter() - start, 1)}
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "stderr.log"), "w") as f:  # the whole traceback of a failed run, beside its summary
+        f.write(err)
     ranks = (
         [os.path.join(out, f) for f in sorted(os.listdir(out)) if f.startswith("rank")] if os.path.isdir(out) else []
     )

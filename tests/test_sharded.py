@@ -111,10 +111,12 @@ def test_cli_under_two_processes_writes_one_complete_final_model(tmp_path, famil
 @pytest.mark.trains
 def test_fsdp2_trains_with_compiled_layers_as_it_does_eagerly(tmp_path):
     """The layers' training forward compiled before accelerate shards them (torchtitan's order) trains under FSDP2:
-    the same losses and, up to the fused kernels' rounding, the same weights as the eager run."""
+    the same losses and, up to the fused kernels' rounding, the same weights as the eager run. The eager run checks
+    one gathered weight at a time (`--stream_checks`, as the 32B run beside vLLM does): the same checksum."""
     script = os.path.join(ROOT, "benchmarks", "distributed_train.py")
     runs = {}
-    for name, extra, port in (("eager", [], 29577), ("compiled", ["--compile_layers"], 29578)):
+    eager_flags = ["--stream_checks", "--device_map", "cpu"]
+    for name, extra, port in (("eager", eager_flags, 29577), ("compiled", ["--compile_layers"], 29578)):
         _launch([script, str(tmp_path / name), "--steps", "2", *extra], port, config="fsdp2.yaml")
         runs[name] = _records(tmp_path / name)
     for eager, compiled in zip(runs["eager"], runs["compiled"]):
@@ -122,6 +124,8 @@ def test_fsdp2_trains_with_compiled_layers_as_it_does_eagerly(tmp_path):
         assert compiled["compiled_graphs"] > eager["compiled_graphs"]  # the layers did compile
         assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4, abs=1e-9)
         assert compiled["checksum"] == pytest.approx(eager["checksum"], rel=1e-7)
+        assert "vllm_sync" not in eager and "vllm_sync" in compiled  # the whole-model gather skipped when streaming
+        assert eager["lora_b"]["language_moved"] == eager["lora_b"]["language_total"] > 0  # shards gathered one by one
 
 
 @pytest.mark.slow
