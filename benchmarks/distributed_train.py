@@ -154,7 +154,6 @@ def _compiled_graphs() -> int:
 
 def _lora_b_moved(model) -> dict[str, int]:
     from vlm_grpo.models.hooks import VISION_TOWER_NAMES
-
     from vlm_grpo.models.sharded import whole
 
     counts = {"vision_total": 0, "vision_moved": 0, "language_total": 0, "language_moved": 0}
@@ -319,7 +318,10 @@ def main() -> None:
     }  # fmt: skip
     _write_record(args.out_dir, rank, record)  # the training's numbers first: a check below that fails leaves them
     if record["sharding"] == "fsdp2":  # every gather for generation was given back: the weights are shards again
-        record["resharded"] = all(type(p).__name__ == "DTensor" for p in trainer.model_wrapped.parameters())
+        # (a LoRA base the generation copy shares is left whole by design: FSDP2 shards only the rest)
+        params = list(trainer.model_wrapped.parameters())
+        record["resharded"] = all(type(p).__name__ == "DTensor" for p in params if p.requires_grad)
+        record["whole_frozen"] = sum(type(p).__name__ != "DTensor" for p in params)
     if not args.full and not args.stream_checks:  # the weights a vLLM sync sends, from the shards vs the gathered model
         record["vllm_sync"] = _vllm_sync_gap(trainer, full_weights)
     copy = trainer.generation_copy

@@ -33,7 +33,7 @@ def test_the_copy_owns_its_weights_in_the_generation_dtype_and_keeps_buffers_as_
 
 def test_a_refresh_copies_the_trainable_weights_once_per_step_in_place(lora):
     copy = GenerationCopy()
-    copy.prepare(lora, torch.device("cpu"))
+    copy.prepare(lora, torch.device("cpu"), share_frozen=False)
     trainable = {n for n, p in lora.named_parameters() if p.requires_grad}
     addresses = {n: p.data_ptr() for n, p in copy.model.named_parameters()}
     with torch.no_grad():
@@ -53,3 +53,23 @@ def test_a_parameter_the_copy_lacks_is_named(lora, tiny_dir):
     copy.prepare(other, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="has no parameter .*lora_A"):
         copy.refreshed(lora, step=0)
+
+
+def test_the_frozen_base_is_shared_not_copied_and_its_modules_are_named_for_fsdp2_to_leave_whole(lora):
+    """A LoRA model's frozen weights on the device in the generation dtype are the model's own tensors in the copy
+    (one base per GPU under FSDP2, as under DDP); the adapters are copies; only modules made of shared weights are
+    listed for FSDP2's `ignored_params`."""
+    copy = GenerationCopy()
+    copy.prepare(lora, torch.device("cpu:0"))  # accelerate's spelling of the CPU device
+    own = dict(copy.model.named_parameters())
+    for name, param in lora.named_parameters():
+        assert (own[name] is param) == (not param.requires_grad)  # the base shared, the adapters copied
+    assert copy.stats()["shared_weights"] == sum(not p.requires_grad for p in lora.parameters()) > 0
+    modules = copy.shared_modules(lora)
+    assert modules and all(not p.requires_grad for m in modules for p in m.parameters())
+    names = {id(m): n for n, m in lora.named_modules()}
+    assert any(names[id(m)].endswith("base_layer") for m in modules)  # LoRA layers' bases, not the layers
+
+    other = GenerationCopy()  # in another dtype nothing can be shared: the copy owns every weight
+    other.prepare(lora, torch.device("cpu"), torch.bfloat16)
+    assert other.stats()["shared_weights"] == 0 and other.shared_modules(lora) == []

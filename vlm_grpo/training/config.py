@@ -137,8 +137,9 @@ class VLMGRPOConfig(GRPOConfig):
         default=True,
         metadata={"help": "Under FSDP2, the fast generator decodes from an unsharded copy of the model refreshed from "
                   "the shards once per step (for LoRA: the adapters only), so its decode step compiles to CUDA graphs "
-                  "as on one GPU; costs one 16-bit copy of the model per GPU. False: gather the shards for each "
-                  "rollout and decode eagerly (less memory)."},
+                  "as on one GPU. A LoRA model's frozen base is shared with the copy and left unsharded (one base per "
+                  "GPU, as under DDP); a full fine-tune's copy costs one 16-bit model per GPU. False: gather the "
+                  "shards for each rollout and decode eagerly (a full fine-tune: less memory)."},
     )  # fmt: skip
     fast_generation_merge_lora: bool = field(
         default=True,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -71,7 +72,15 @@ def prepare_generation_copy(trainer: Any) -> None:
         return
     args = trainer.args
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-    trainer.generation_copy.prepare(model, trainer.accelerator.device, dtype)
+    copy = trainer.generation_copy
+    copy.prepare(model, trainer.accelerator.device, dtype)
+    if copy.shares_weights:  # the frozen base the copy shares stays whole on every rank: FSDP2 must not shard it
+        plugin = trainer.accelerator.state.fsdp_plugin
+        ignored = plugin.ignored_modules or []
+        if isinstance(ignored, str):  # accelerate's regex form (FSDP_IGNORED_MODULES), over the module names
+            pattern = re.compile(ignored)
+            ignored = [module for name, module in model.named_modules() if pattern.fullmatch(name)]
+        plugin.ignored_modules = [*ignored, *copy.shared_modules(model)]
 
 
 def make_generator(trainer: Any) -> FastGenerator:
@@ -138,10 +147,12 @@ def fast_generate(
     if reason is None and copy is not None and copy.model is not None:
         # FSDP2 with an unsharded copy: its trainable weights refreshed once per step, then generation as on one GPU.
         model = copy.refreshed(trainer.model_wrapped, trainer.state.global_step)
+        # A base the copy shares with the model is restored before training reads it, never deferred.
+        defer = not (trainer.args.torch_compile or copy.shares_weights)
         try:
             return trainer.fast_generator.generate(
                 model, prompt_ids, images, multimodal_fields, trainer.generation_config,
-                trainer._tokenizer.pad_token_id, defer_restore=not trainer.args.torch_compile, return_logprobs=True,
+                trainer._tokenizer.pad_token_id, defer_restore=defer, return_logprobs=True,
             )  # fmt: skip
         except FastPathUnavailable as error:
             reason = str(error)
