@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vlm_grpo.engine.generation_copy import GenerationCopy
+from vlm_grpo.engine.generation_copy import GenerationCopy, copy_unfit_reason
 from vlm_grpo.models.loader import FastVisionModel
 
 
@@ -73,3 +73,16 @@ def test_the_frozen_base_is_shared_not_copied_and_its_modules_are_named_for_fsdp
     other = GenerationCopy()  # in another dtype nothing can be shared: the copy owns every weight
     other.prepare(lora, torch.device("cpu"), torch.bfloat16)
     assert other.stats()["shared_weights"] == 0 and other.shared_modules(lora) == []
+
+
+def test_a_copy_that_would_not_fit_is_declined_with_the_fix_named(lora):
+    """`own_bytes` counts only what the copy cannot share (with a shared base: the adapters); a copy that would take
+    more than 80 % of the free GPU memory is declined, naming vLLM's tensor parallelism for models that large."""
+    shared = GenerationCopy.own_bytes(lora, torch.device("cpu"))
+    adapters = sum(p.numel() * p.element_size() for p in lora.parameters() if p.requires_grad)
+    assert shared == adapters > 0
+    whole = GenerationCopy.own_bytes(lora, torch.device("cpu"), torch.bfloat16)  # nothing shareable in bf16
+    assert whole == sum(p.numel() * 2 for p in lora.parameters())
+    assert copy_unfit_reason(8 * 2**30, 20 * 2**30) is None
+    reason = copy_unfit_reason(64 * 2**30, 50 * 2**30)
+    assert "64.0 GiB" in reason and "50.0 GiB" in reason and "vllm_tensor_parallel_size" in reason

@@ -39,7 +39,7 @@ from torch import nn
 
 from ..models.sharded import whole
 
-__all__ = ["GenerationCopy"]
+__all__ = ["GenerationCopy", "copy_unfit_reason"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,7 @@ class GenerationCopy:
         self.step: int | None = None
         self.refreshes = 0  # how many times the trainable weights were copied in (once per optimizer step)
         self.shared: set[int] = set()  # ids of the model's frozen weights the copy holds as they are, not copied
+        self.declined: str | None = None  # why no copy was made (it would not fit): the shards are gathered instead
 
     def prepare(
         self, model: nn.Module, device: torch.device, dtype: torch.dtype | None = None, share_frozen: bool = True
@@ -98,6 +99,19 @@ class GenerationCopy:
         logger.info("Generation copy of the model for the fast generator under FSDP2: %.2f GiB of its own on %s, "
                     "%.2f GiB of frozen weights shared with the model (left unsharded).", own, device, shared)  # fmt: skip
 
+    @staticmethod
+    def own_bytes(model: nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> int:
+        """Bytes the copy of `model` would allocate on `device` (`prepare`'s arguments): every weight it cannot share."""
+        total, seen = 0, set()
+        for param in model.parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            cast = dtype if dtype is not None and param.is_floating_point() else param.dtype
+            if not (not param.requires_grad and _same_device(param.device, device) and param.dtype == cast):
+                total += param.numel() * cast.itemsize
+        return total
+
     def shared_modules(self, model: nn.Module) -> list[nn.Module]:
         """The modules of `model` whose own weights are all shared with the copy (a LoRA layer's base, a norm, the
         embeddings): what FSDP2 must leave unsharded (accelerate's `ignored_modules`), or it would replace them."""
@@ -132,4 +146,15 @@ class GenerationCopy:
 
     def stats(self) -> dict[str, Any]:
         """What the copy did: whether it exists, and how many refreshes it took."""
-        return {"copy": self.model is not None, "refreshes": self.refreshes, "shared_weights": len(self.shared)}
+        stats = {"copy": self.model is not None, "refreshes": self.refreshes, "shared_weights": len(self.shared)}
+        return stats | ({"declined": self.declined} if self.declined else {})
+
+
+def copy_unfit_reason(needed: int, free: int, fraction: float = 0.8) -> str | None:
+    """Why a generation copy of `needed` bytes should not be made with `free` bytes free on the GPU (None: it fits
+    in `fraction` of them, leaving the rest to the KV cache and the training step)."""
+    if needed <= fraction * free:
+        return None
+    return (f"the generation copy needs {needed / 2**30:.1f} GiB and {free / 2**30:.1f} GiB are free on this GPU: the "
+            "shards are gathered for each rollout instead (eager decoding); for a model this large, generate "
+            "through vLLM with tensor parallelism (use_vllm=True, vllm_tensor_parallel_size)")  # fmt: skip

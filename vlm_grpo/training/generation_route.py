@@ -20,6 +20,7 @@ import torch
 from trl.models.utils import unwrap_model_for_generation
 
 from ..engine.fast_generation import FastGenerator, FastPathUnavailable
+from ..engine.generation_copy import copy_unfit_reason
 from ..models.modes import checkpointing_off
 from ..models.sharded import full_weights, sharding
 from ..models.sharded import unsupported_reason as sharded_unsupported_reason
@@ -59,6 +60,7 @@ def uses_generation_copy(trainer: Any) -> bool:
         plugin is not None and getattr(plugin, "fsdp_version", 1) == 2
         and getattr(trainer.args, "fsdp_generation_copy", False) and getattr(trainer.args, "fast_generation", False)
         and not trainer.args.use_vllm
+        and getattr(getattr(trainer, "generation_copy", None), "declined", None) is None
     )  # fmt: skip
 
 
@@ -72,8 +74,18 @@ def prepare_generation_copy(trainer: Any) -> None:
         return
     args = trainer.args
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-    copy = trainer.generation_copy
-    copy.prepare(model, trainer.accelerator.device, dtype)
+    copy, device = trainer.generation_copy, trainer.accelerator.device
+    reason = None
+    if device.type == "cuda":  # the copy must leave the GPU room to train: every rank decides alike (a collective)
+        reason = copy_unfit_reason(copy.own_bytes(model, device, dtype), torch.cuda.mem_get_info(device)[0])
+        if _on_any_rank(reason is not None, device):
+            reason = reason or "the generation copy does not fit on another rank's GPU"
+    if reason is not None:
+        copy.declined = reason
+        logger.warning("Under FSDP2 %s.", reason)
+        trainer.fast_generator = make_generator(trainer)  # for gathered weights: decoding eagerly
+        return
+    copy.prepare(model, device, dtype)
     if copy.shares_weights:  # the frozen base the copy shares stays whole on every rank: FSDP2 must not shard it
         plugin = trainer.accelerator.state.fsdp_plugin
         ignored = plugin.ignored_modules or []
@@ -81,6 +93,16 @@ def prepare_generation_copy(trainer: Any) -> None:
             pattern = re.compile(ignored)
             ignored = [module for name, module in model.named_modules() if pattern.fullmatch(name)]
         plugin.ignored_modules = [*ignored, *copy.shared_modules(model)]
+
+
+def _on_any_rank(flag: bool, device: torch.device) -> bool:
+    """`flag` or-ed over every rank (a collective; `flag` itself outside a process group)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def make_generator(trainer: Any) -> FastGenerator:
