@@ -196,17 +196,51 @@ def test_a_bad_warm_start_is_one_line_and_exit_status_2(tmp_path, capsys, args, 
 
 
 @pytest.mark.trains
-def test_the_kl_reference_is_the_warm_started_model(tmp_path):
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+def test_the_kl_reference_is_the_warm_started_model(tmp_path, capsys, peft):
     """TRL builds a fully trained model's KL reference again from its config's path: the command saves the
-    warm-started model and points there, so GRPO's first step measures no KL (the policy is its reference). From
-    the model before the warm start, the KL would pull the policy back to what it was taught away from."""
+    warm-started model and points there. With LoRA the reference is the adapter off: the warm-started adapter is
+    folded into the base and started afresh. Either way GRPO's first step measures no KL (the policy is its
+    reference); from the model before the warm start, the KL would pull the policy back to what it was taught away
+    from."""
     out = tmp_path / "run"
     assert main(["--model", "tiny:qwen3_vl", "--task", "zoom_color", "--tools", "zoom", "--warm_start", "3",
                  "--max_steps", "1", "--per_device_train_batch_size", "2", "--num_generations", "2", "--train_size",
-                 "8", "--test_size", "1", "--beta", "0.04", "--output_dir", str(out)]) == 0  # fmt: skip
+                 "8", "--test_size", "1", "--beta", "0.04", "--output_dir", str(out),
+                 *(["--use_peft"] if peft else [])]) == 0  # fmt: skip
     (first,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"kl"' in line]
     assert first["kl"] < 1e-6, first["kl"]
-    assert (out / "warm-start" / "config.json").exists()
+    assert (out / "warm-start" / "config.json").exists() != peft
+    said = capsys.readouterr()
+    assert ("adapter folded into the base weights" in said.out) == peft and "KL reference is the model" not in said.err
+
+
+def test_folding_an_adapter_keeps_the_function_and_makes_it_the_adapter_off_model(tiny_dir):
+    """`fold_adapters`: the trained adapter's update moves into the base weights (fp32: the same logits), the adapter
+    starts afresh (every lora_B zero), and the adapter-off model, the KL reference, computes what the trained one did."""
+    from vlm_grpo.tools.warm_start import fold_adapters
+
+    model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    model = FastVisionModel.get_peft_model(model, r=4, finetune_vision_layers=False, random_state=0)
+    with torch.no_grad():  # a "warm-started" adapter: every B moved
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.05)
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
+    model.eval()
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+        with model.disable_adapter():
+            before = model(input_ids=ids).logits
+    assert (trained - before).abs().max() > 1e-3  # the adapter does something to fold
+    assert fold_adapters(model) > 0
+    with torch.no_grad():
+        folded = model(input_ids=ids).logits
+        with model.disable_adapter():
+            reference = model(input_ids=ids).logits
+    assert torch.allclose(folded, trained, atol=1e-5) and torch.allclose(reference, trained, atol=1e-5)
+    assert all(not p.any() for n, p in model.named_parameters() if "lora_B" in n)
+    assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)  # still the adapter GRPO trains
 
 
 # The learning check (issue 47): a run with tools and one without, the same steps, on zoom_color (the colour of a dot

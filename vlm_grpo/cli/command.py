@@ -197,7 +197,7 @@ def _warm_start(script: ScriptArguments, config: Any, model: Any, processor: Any
     """`--warm_start`: supervised steps on traces of the training rows (`vlm_grpo.tools.warm_start`), one line said;
     then the warm-started model made GRPO's KL reference."""
     from ..data.tasks import TASK_SPECS
-    from ..tools.warm_start import ZOOM, tool_warm_start
+    from ..tools.warm_start import ZOOM, fold_adapters, tool_warm_start
     from ..training.callbacks import library_bars_off
 
     spec = TASK_SPECS.get(script.task) if script.dataset is None else None
@@ -216,10 +216,13 @@ def _warm_start(script: ScriptArguments, config: Any, model: Any, processor: Any
             if config.process_index == 0:
                 model.save_pretrained(path)
         model.config.name_or_path = path
-    elif config.beta:
-        print(f"{PROG}: note: with --use_peft the KL reference is the model with its adapter off, as it was before the "
-              "warm start; --beta 0 keeps GRPO from pulling the warm-started adapter back.", file=sys.stderr,
-              flush=True)  # fmt: skip
+    elif config.beta and (folded := fold_adapters(model)):  # the adapter-off reference is the warm-started model
+        print(f"warm start: the adapter folded into the base weights ({folded} layers) and started afresh: GRPO's KL "
+              "reference is the warm-started model", flush=True)  # fmt: skip
+    elif config.beta:  # a quantised base cannot take the update exactly
+        print(f"{PROG}: note: with --use_peft on this base the KL reference is the model with its adapter off, as it "
+              "was before the warm start; --beta 0 keeps GRPO from pulling the warm-started adapter back.",
+              file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _show_progress(trainer: Any, metrics_path: str, accuracy: str) -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "WarmStart",
     "demonstration_box",
     "demonstration_call",
+    "fold_adapters",
     "shared_call",
     "tool_trace",
     "tool_warm_start",
@@ -294,3 +295,22 @@ def tool_warm_start(
     finally:
         model.train(was_training)
     return WarmStart(steps, steps * batch_size, losses[0], losses[-1])
+
+
+def fold_adapters(model: Any) -> int:
+    """After a warm start of a LoRA model: each adapter's update added to its base weight and the adapter started
+    afresh (B = 0), so the model computes what it did and its adapter-off form, GRPO's KL reference, is now the
+    warm-started model rather than the one before it. Returns the layers folded; 0, with nothing changed, where a
+    base cannot take the update exactly (a quantised or non-Linear base, DoRA or another variant)."""
+    from ..engine.fused_projections import merges_as_a_delta
+
+    layers = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "get_base_layer")]
+    if not layers or not all(merges_as_a_delta(layer) for layer in layers):
+        return 0
+    with torch.no_grad():
+        for layer in layers:
+            weight = layer.get_base_layer().weight
+            for adapter in [a for a in layer.active_adapters if a in layer.lora_A]:
+                weight += layer.get_delta_weight(adapter).to(weight.dtype)
+                layer.reset_lora_parameters(adapter, True)  # PEFT's own init: A random, B zero
+    return len(layers)
