@@ -346,7 +346,8 @@ def main() -> None:
             record["lora_b"] = _lora_b_moved(unwrapped)
     final = os.path.join(args.out_dir, "final")
     trainer.save_model(final)  # what the CLI saves: gathered from the shards into plain files
-    record["final_files"] = sorted(os.listdir(final)) if trainer.accelerator.is_main_process else None
+    # (TRL's own save_model under FSDP2 with sharded state dicts writes no folder: recorded as none)
+    record["final_files"] = sorted(os.listdir(final)) if os.path.isdir(final) else None
     if args.export:
         record["export"] = _check_export(trainer, processor, args.out_dir, final, base_path)
     _write_record(args.out_dir, rank, record)
