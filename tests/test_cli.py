@@ -683,11 +683,11 @@ def test_dynamic_sampling_from_the_command_line(tmp_path, capsys, monkeypatch):
     steps = [r for r in _metrics(out) if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(1 <= r["dynamic_sampling/rounds"] <= 3 and "frac_reward_zero_std" in r for r in steps)
-    # A reward that never varies: one line saying why, exit status 1, after the rounds of the first step.
+    # A reward that never varies: one line saying why, exit status 65 (nothing to learn), after the first step's rounds.
     capsys.readouterr()
     flags = ["--output_dir", str(tmp_path / "constant"), "--dynamic_sampling", "--reward_funcs",
              "test_cli:constant_reward", "--accuracy_reward", "test_cli:constant_reward", *small]  # fmt: skip
-    assert main(flags) == 1
+    assert main(flags) == 65
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("vlm-grpo: error: dynamic_sampling: all ") and "rewards seen: 1)" in err
 

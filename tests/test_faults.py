@@ -122,7 +122,7 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_the_previous_one_
     command = ["--output_dir", str(out), *RESUMABLE, "--resume_from_checkpoint"]
     proc = subprocess.run([exe, *command], env=env, capture_output=True, text=True, timeout=600, check=False,
                           preexec_fn=_file_size_limit(limit))  # fmt: skip
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 74 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"resuming from {out / 'checkpoint-2'}" in proc.stdout
     line = _last_line(proc.stderr)
     size = r"\d+\.\d (KiB|MiB)"
@@ -245,7 +245,7 @@ def test_steps_with_an_infinite_loss_are_skipped_counted_and_a_resume_goes_on_ac
 def test_infinite_steps_in_a_row_stop_the_run_with_one_line_and_a_fixed_run_resumes(tmp_path):
     _rewards_module(tmp_path)
     proc = vlm_grpo(*NONFINITE, "--reward_funcs", "overflowing:overflow", "--max_nonfinite_steps", "2", cwd=tmp_path)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 65 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert _last_line(proc.stderr) == (
         "vlm-grpo: error: 2 step(s) in a row had a non-finite loss or gradient norm (steps 1-2; the last: loss inf, "
         "gradient norm nan) and were skipped, so training stops (--max_nonfinite_steps 2). The rewards of overflow "
@@ -270,7 +270,7 @@ def test_infinite_steps_in_a_row_stop_the_run_with_one_line_and_a_fixed_run_resu
 @pytest.mark.trains
 def test_weights_an_update_makes_infinite_stop_the_run_before_anything_uses_them(tmp_path):
     proc = vlm_grpo(*NONFINITE[:-2], "--learning_rate", "1e39", "--save_steps", "2", cwd=tmp_path)  # > float32's max
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 65 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert _last_line(proc.stderr) == (
         "vlm-grpo: error: The weights turned non-finite in step 1's optimizer update, from finite gradients: the "
         "learning rate (or adam_epsilon 0) overflows it; lower --learning_rate. Nothing of this step was saved."
@@ -309,7 +309,7 @@ def test_a_reward_that_raises_names_itself_the_row_its_file_line_and_the_excepti
     (tmp_path / "my_rewards.py").write_text(BAD_REWARDS)
     proc = vlm_grpo("--dataset", "data.jsonl", "--reward_funcs", "my_rewards:raises_on_blue", "--test_size", "0",
                     "--output_dir", "run", *TINY_RUN, cwd=tmp_path)  # fmt: skip
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 70 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     line = _last_line(proc.stderr)
     said = re.fullmatch(
         r"vlm-grpo: error: Reward function 'raises_on_blue' raised ValueError: could not convert string to float: "
@@ -342,7 +342,7 @@ def test_a_failing_reward_stops_with_one_line_and_the_last_checkpoint_intact(tmp
     (tmp_path / "my_rewards.py").write_text(BAD_REWARDS)
     command = ["--output_dir", str(out), *RESUMABLE, "--resume_from_checkpoint"]
     proc = vlm_grpo(*command, "--reward_funcs", f"my_rewards:{reward}", cwd=tmp_path)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 70 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     line = _last_line(proc.stderr)
     assert re.fullmatch(
         rf"vlm-grpo: error: Reward function '{reward}' {message}.* The newest complete checkpoint, "

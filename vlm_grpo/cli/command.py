@@ -342,9 +342,9 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point of `vlm-grpo`: the exit status (0 success, or stopped by SIGTERM with a checkpoint to
-    resume from; 1 a run that stopped on a fault it names (a reward function that failed, non-finite steps, a
-    checkpoint that could not be written, no reward signal), or non-finite accuracy; 2 bad arguments; 130 stopped by
-    Ctrl-C)."""
+    resume from; 2 bad arguments; 130 stopped by Ctrl-C; a fault the run names has its own, `cli.stop.EXIT_STATUS`:
+    74 a checkpoint not written, 70 a reward function that failed, 65 non-finite steps or no reward signal, 75
+    preempted before any checkpoint; 1 non-finite accuracy)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     config = None
     try:

@@ -4,8 +4,11 @@
   reached; `main` prints `stopped_line` and exits with 130, the shell's status for SIGINT, instead of a ~60-line
   traceback.
 - SIGTERM (a preempted machine) and the faults a run names (a reward that failed, non-finite steps, a checkpoint that
-  could not be written, no reward signal): `stopped_on_fault` prints the line and gives the exit status (0 for a
-  preemption with a checkpoint to resume from, with `resume_command`; 1 for a fault).
+  could not be written, no reward signal): `stopped_on_fault` prints the line and gives the exit status, one per kind
+  of fault so that a scheduler can tell whether to retry (`EXIT_STATUS`; the numbers are BSD's sysexits.h): 0 for a
+  preemption with a checkpoint to resume from (with `resume_command`), 75 for one without (retry), 74 for a
+  checkpoint that could not be written (free space, then resume), 70 for a reward function that failed (a bug in it),
+  65 for non-finite training or no reward signal (the settings or data give nothing to learn: not a retry).
 """
 
 from __future__ import annotations
@@ -16,7 +19,16 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["Stopped", "resume_command", "stopped_line", "stopped_on_fault", "stops_as"]
+__all__ = ["EXIT_STATUS", "Stopped", "resume_command", "stopped_line", "stopped_on_fault", "stops_as"]
+
+# The exit status of each way a run stops on its own (sysexits.h): whether running it again can help.
+EXIT_STATUS = {
+    "preempted": 0,  # a complete checkpoint written: resume
+    "preempted_before_a_checkpoint": 75,  # EX_TEMPFAIL: nothing lost but the run: start it again
+    "checkpoint_not_written": 74,  # EX_IOERR: free space (or raise the file-size limit), then resume
+    "reward_failed": 70,  # EX_SOFTWARE: the reward function raised or returned the wrong thing: fix it, then resume
+    "nothing_to_learn": 65,  # EX_DATAERR: non-finite steps, or a reward that never varies: change the settings
+}
 
 _PROG = "vlm-grpo"
 
@@ -82,8 +94,8 @@ def resume_command(argv: list[str]) -> str:
 
 
 def stopped_on_fault(error: Exception, argv: list[str], output_dir: str | None) -> int | None:
-    """One line and the exit status for a run that stopped on purpose (0: preempted, resumable) or on a fault it
-    names (1); None for any other error, which is raised as it is."""
+    """One line and the exit status (`EXIT_STATUS`) for a run that stopped on purpose (0: preempted, resumable) or on
+    a fault it names; None for any other error, which is raised as it is."""
     from ..rewards.checks import RewardFunctionError
     from ..training.checkpoint_writes import CheckpointWriteError
     from ..training.checkpoints import newest_complete_checkpoint
@@ -94,16 +106,16 @@ def stopped_on_fault(error: Exception, argv: list[str], output_dir: str | None) 
     if isinstance(error, TrainingPreempted):
         if error.checkpoint is None:
             print(f"{_PROG}: {error}; nothing to resume from after this run's start", file=sys.stderr, flush=True)
-            return 1
+            return EXIT_STATUS["preempted_before_a_checkpoint"]
         print(f"{_PROG}: {error}; resume with: {resume_command(argv)}", flush=True)
-        return 0
+        return EXIT_STATUS["preempted"]
     if isinstance(error, (NoRewardVariance, CheckpointWriteError)):  # each names what is left and how to go on
         print(f"{_PROG}: error: {error}", file=sys.stderr, flush=True)
-        return 1
+        return EXIT_STATUS["checkpoint_not_written" if isinstance(error, CheckpointWriteError) else "nothing_to_learn"]
     if not isinstance(error, (NonFiniteTraining, RewardFunctionError)):
         return None
     newest = newest_complete_checkpoint(output_dir) if output_dir else None
     left = (f" The newest complete checkpoint, {newest}, is intact: fix this, then resume with "
             "--resume_from_checkpoint." if newest else "")  # fmt: skip
     print(f"{_PROG}: error: {error}{left}", file=sys.stderr, flush=True)
-    return 1
+    return EXIT_STATUS["reward_failed" if isinstance(error, RewardFunctionError) else "nothing_to_learn"]
