@@ -38,21 +38,16 @@ from torch.profiler import record_function
 from ..compat import cache_kwarg
 from ..families import core_model
 from ..integrations.unsloth import uses_unsloth
-from ..media.batch_layout import LayoutUnknown, group_prompts, left_padded, select_rows
+from ..media.batch_layout import LayoutUnknown, group_prompts, select_rows
 from ..media.clips import Clip
-from ..private_api import (
-    can_generate_fast,
-    eos_tokens,
-    generation_position_ids,
-    logits_processors,
-    prepare_generation,
-)
+from ..private_api import can_generate_fast, eos_tokens, logits_processors, prepare_generation
 from .cache_kinds import UnservableCache, copy_prefill
 from .decode_attention import decode_attention
 from .decode_cache import DecodeCaches
 from .decode_graph import DecodeGraphs, RecordingFailed
 from .fused_projections import FusedQKV
 from .lora_merge import MERGE_BACKUPS, BaseWeightBackup, merged_lora
+from .prefill import TurnCache, full_prefill
 from .quantized_generation import (
     QuantizedGenerationUnsupported,
     QuantizedLayers,
@@ -79,6 +74,7 @@ class FastPathUnavailable(RuntimeError):
 
 
 CUDA_GRAPHS = ("recorded", "compiler")  # FastGenerator.cuda_graph
+STATS = ("calls", "rows", "prefill_rows", "decode_steps", "prefill_tokens", "appended_rows")  # FastGenerator.stats
 
 
 def _text_config(model: nn.Module) -> Any:
@@ -111,6 +107,8 @@ class FastGenerator:
             per token and no host work between tokens.
         overlap_restore: when the caller allows it (`generate(defer_restore=True)`), copy the base weights back
             from the host while the next forward runs rather than before it.
+        append_turns: a row that extends a row of the previous call (a tool turn) prefills only its new tokens on that
+            call's cache (`engine.prefill.TurnCache`), where the model's cache allows it.
     """
 
     compile: bool | None = None
@@ -123,7 +121,8 @@ class FastGenerator:
     fused_qkv: bool = True
     sample_in_graph: bool = True
     overlap_restore: bool = True
-    stats: dict[str, int] = field(default_factory=lambda: {"calls": 0, "rows": 0, "prefill_rows": 0, "decode_steps": 0})
+    append_turns: bool = True
+    stats: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STATS, 0))
     _compiled_call: Any = field(default=None, repr=False)
     _compiled_mode: str | None = field(default=None, repr=False)
     _graphs: DecodeGraphs = field(default_factory=DecodeGraphs, repr=False)
@@ -135,6 +134,7 @@ class FastGenerator:
     _backup: BaseWeightBackup | None = field(default=None, repr=False)
     _fused: FusedQKV | None = field(default=None, repr=False)
     _kept_sampler: Sampler | None = field(default=None, repr=False)
+    _turns: TurnCache = field(default_factory=TurnCache, repr=False)
 
     def __post_init__(self) -> None:
         self._decode_caches = DecodeCaches(self._graphs)
@@ -223,6 +223,7 @@ class FastGenerator:
         media = [list(row or []) for row in images] if images is not None else [[] for _ in prompt_ids]
         videos_per_row = [sum(isinstance(item, Clip) for item in row) for row in media]
         images_per_row = [len(row) - clips for row, clips in zip(media, videos_per_row)]
+        media_counts = (images_per_row, videos_per_row)
         try:  # the groups, and the processor outputs of each group's first row
             unique, inverse = group_prompts(prompt_ids, images_per_row, multimodal_fields, videos_per_row)
             unique_fields = select_rows(multimodal_fields, images_per_row, unique, videos_per_row)
@@ -244,7 +245,7 @@ class FastGenerator:
                     fused.fill()
                 with fused.swapped() if fused is not None else contextlib.nullcontext():
                     rows, logprobs = self._generate(base, device, prompt_ids, unique, inverse, unique_fields,
-                                                    generation_config, pad_token_id)  # fmt: skip
+                                                    generation_config, pad_token_id, media_counts)  # fmt: skip
         except (QuantizedGenerationUnsupported, UnservableCache) as error:  # nothing generated; weights restored
             raise FastPathUnavailable(str(error)) from error
         self.stats["calls"] += 1
@@ -252,9 +253,7 @@ class FastGenerator:
         self.stats["prefill_rows"] += len(unique)
         return (rows, logprobs) if return_logprobs else rows
 
-    def _generate(self, model, device, prompt_ids, unique, inverse, unique_fields, generation_config, pad_id):
-        from transformers import DynamicCache
-
+    def _generate(self, model, device, prompt_ids, unique, inverse, unique_fields, generation_config, pad_id, media):
         config, model_kwargs = prepare_generation(model, generation_config, device)
         eos = eos_tokens(config)
         max_new = config.max_new_tokens
@@ -268,13 +267,7 @@ class FastGenerator:
             raise FastPathUnavailable(f"generation setting {next(k for k, v in unsupported.items() if v)}")
         batch = len(prompt_ids)
 
-        # Left-padded unique prompts, and their multimodal fields.
         width = max(len(ids) for ids in prompt_ids)
-        input_ids, kwargs = left_padded([prompt_ids[row] for row in unique], unique_fields, width, pad_id, device)
-        attention_mask = kwargs["attention_mask"]
-        # The position ids `generate` would use (Qwen's 3-D rotary positions included), computed by the model.
-        positions = generation_position_ids(model, input_ids, kwargs)
-
         cache_len = -(-(width + max_new) // self.cache_bucket) * self.cache_bucket
         text_config = _text_config(model)
         window = getattr(text_config, "sliding_window", None)
@@ -284,30 +277,34 @@ class FastGenerator:
                 f"prompt + completion ({width} + {max_new} tokens) exceeds the sliding window ({window})"
             )
 
-        # Prefill the unique prompts, then copy their KV cache to every row of their group. (The profiler labels
-        # name the phases in `benchmarks/decode_profile.py`; without a profiler running they cost microseconds.)
+        # Prefill each distinct prompt (a tool turn's rows: what they append to the last call's cache), then copy its
+        # KV cache to every row of its group (the profiler labels: `benchmarks/decode_profile.py`).
         with record_function("fast_generation.prefill"):
-            prefill_cache = DynamicCache(config=model.config)
-            kwargs[cache_kwarg(model)] = prefill_cache
-            out = model(input_ids=input_ids, position_ids=positions, use_cache=True, logits_to_keep=1, **kwargs)
+            rows, counts = [prompt_ids[row] for row in unique], [[per_row[r] for r in unique] for per_row in media]
+            turn = self._turns.prefill if self.append_turns else lambda *args: None
+            done = turn(model, rows, unique_fields, *counts, pad_id, device)
+            if done is not None:
+                self.stats["appended_rows"] += len(unique)
+            else:
+                done = full_prefill(model, rows, unique_fields, width, pad_id, device)
+            self.stats["prefill_tokens"] += done.prefilled_tokens
             index = torch.tensor(inverse, device=device)
             cache = self._decode_caches.get(model, batch, cache_len)
-            copy_prefill(prefill_cache, cache, index)
-            del prefill_cache
+            copy_prefill(done.cache, cache, index)
+            done.cache = None  # the prefill's own cache freed before decoding
 
         # Every tensor the loop reads or writes lives in buffers that outlive the generation (`engine.token_loop`),
         # so a recorded step replays on the same addresses with nothing copied in.
-        position = positions.index_select(-2, index)[..., -1:]  # last prompt position of every row
+        position = done.positions.index_select(-2, index)[..., -1:]  # last prompt position of every row
         buffers = self._decode_caches.buffers(batch, cache_len, tuple(position.shape), device)
-        buffers.start(input_ids.index_select(0, index), attention_mask.index_select(0, index), position, pad_id)
+        first = done.input_ids.index_select(0, index), done.attention_mask.index_select(0, index)
+        buffers.start(*first, position, pad_id)
         processors = on_device(logits_processors(model, config, buffers.tokens[:, :width], device, model_kwargs), width)
         sampler = self._sampler(Sampler(processors, bool(config.do_sample), eos, pad_id))
         step = self._decode_fn(model, cache, buffers, sampler)
 
         with record_function("fast_generation.sample"):
-            sampler.sample(
-                buffers, out.logits[:, -1].to(dtype=torch.float32).index_select(0, index), buffers.tokens[:, :width]
-            )
+            sampler.sample(buffers, done.logits.float().index_select(0, index), buffers.tokens[:, :width])
         steps = 1
         # Grouped-query heads attend to the cache as it is (`engine.decode_attention`), not to a per-head copy.
         with decode_attention(model) if self.grouped_attention else contextlib.nullcontext():
@@ -327,6 +324,8 @@ class FastGenerator:
         ends = torch.where(is_eos.any(1), is_eos.int().argmax(1), completions.shape[1]).cpu().tolist()
         logprobs = buffers.logprobs[:, width : width + steps].cpu()
         ids = [row[: end + 1].tolist() for row, end in zip(completions.cpu(), ends)]
+        if self.append_turns:  # for a tool turn's rows, next: each extends one of these
+            self._turns.remember(model, cache, width, prompt_ids, ids, (unique_fields, counts[0], inverse))
         return ids, [row[: end + 1].tolist() for row, end in zip(logprobs, ends)]
 
     def _sampler(self, sampler: Sampler) -> Sampler:

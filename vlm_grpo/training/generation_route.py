@@ -156,10 +156,30 @@ def _unwrapped_for_generation(trainer: Any) -> Iterator[Any]:
 
 
 def fast_generate(
-    trainer: Any, prompt_ids: Any, images: Any, multimodal_fields: dict[str, Any], has_tool_images: bool = False
+    trainer: Any,
+    prompt_ids: Any,
+    images: Any,
+    multimodal_fields: dict[str, Any],
+    has_tool_images: bool = False,
+    mode: str = "train",
 ) -> tuple[list[list[int]], list[list[float]]] | None:
     """`(completion_ids, sampler log-probs)` from the fast generator, or None when TRL's path must serve this call
-    (the reason logged once per run)."""
+    (the reason logged once per run). With tools, each call's prefilled tokens and the rows that continued the
+    previous turn's cache are logged under `mode`'s metrics (`fast_generation/prefill_tokens`,
+    `fast_generation/appended_rows`)."""
+    stats = trainer.fast_generator.stats
+    before = (stats["prefill_tokens"], stats["appended_rows"])
+    out = _fast_generate(trainer, prompt_ids, images, multimodal_fields, has_tool_images)
+    if out is not None and (getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None)):
+        metrics = trainer._metrics[mode]
+        metrics["fast_generation/prefill_tokens"].append(float(stats["prefill_tokens"] - before[0]))
+        metrics["fast_generation/appended_rows"].append(float(stats["appended_rows"] - before[1]))
+    return out
+
+
+def _fast_generate(
+    trainer: Any, prompt_ids: Any, images: Any, multimodal_fields: dict[str, Any], has_tool_images: bool
+) -> tuple[list[list[int]], list[list[float]]] | None:
     if not getattr(trainer.args, "fast_generation", False) or trainer.args.use_vllm:
         return None  # vLLM asked for: TRL's path serves it (`engine.vllm_rollouts`), nothing to say
     reason = generation_blocker(trainer)

@@ -363,9 +363,9 @@ class VLMGRPOTrainer(GRPOTrainer):
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         # Inference mode while generating, then exactly the mode the model was in (train or eval, checkpointing as
         # configured at __init__): `vlm_grpo.models.modes` owns the switching.
-        unwrapped = self.accelerator.unwrap_model(self.model)
+        unwrapped, mode = self.accelerator.unwrap_model(self.model), "train" if self.model.training else "eval"
         with generating(unwrapped):
-            completions = fast_generate(self, prompt_ids, images, multimodal_fields, has_tool_images)
+            completions = fast_generate(self, prompt_ids, images, multimodal_fields, has_tool_images, mode)
             if completions is not None:
                 self._rollout_has_logprobs = True
                 return completions

@@ -1,0 +1,95 @@
+"""A tool turn's rows continue the previous call's KV cache (`engine.prefill.TurnCache`): the same tokens and
+sampler log-probs as prefilling the whole conversation again, with fewer tokens prefilled, through TRL's real tool
+loop on the tiny Qwen3-VL (its call forced, the reply after the tool's image decoded freely and greedily)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
+from vlm_grpo.models.loader import FastVisionModel
+from vlm_grpo.tools import image_tools
+from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:You are using 'environment_factory':UserWarning")
+
+CALL = '<tool_call>\n{"name": "zoom", "arguments": {"x1": 0, "y1": 0, "x2": 32, "y2": 32, "factor": 4}}\n</tool_call>'
+
+
+def _forcing(context: list[int], reply: list[int]) -> list:
+    """A `sequence_bias` that makes greedy decoding write `reply` after `context` (the longest match wins)."""
+    return [[context + reply[: i + 1], 2.0 ** (len(context) + i + 1)] for i in range(len(reply))]
+
+
+def _rollouts(tiny_dir, tmp_path, append: bool, turns: int) -> tuple[dict, dict]:
+    model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen3_vl", tools=True, words=answer_words("zoom", 1)))
+    model = FastVisionModel.get_peft_model(model, r=4, random_state=0)
+    torch.manual_seed(1)
+    with torch.no_grad():  # an adapter that does something, merged while generating like a trained one
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.02)
+    rows = make_visual_reasoning_dataset("zoom", 4)
+    args = VLMGRPOConfig(output_dir=str(tmp_path / str(append)), per_device_train_batch_size=4, num_generations=2,
+                         max_completion_length=160, max_steps=1, report_to="none", save_strategy="no", use_cpu=True,
+                         disable_tqdm=True, seed=0, max_tool_calling_iterations=turns, beta=0.0)  # fmt: skip
+    trainer = VLMGRPOTrainer(model, [lambda completions, **kw: [0.0] * len(completions)], args=args,
+                             train_dataset=rows, processing_class=processor, environment_factory=image_tools("zoom"))  # fmt: skip
+    trainer.fast_generator.append_turns = append
+    tok = processor.tokenizer
+
+    def ids(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    # The first turn calls zoom (forced); the turn after the tool's reply is the model's own greedy choice, read off
+    # the cache that turn continues.
+    trainer.generation_config.sequence_bias = _forcing(ids(".<|im_end|>\n<|im_start|>assistant\n"),
+                                                       ids(CALL + "<|im_end|>"))  # fmt: skip
+    trainer.generation_config.do_sample = False
+    out = trainer._generate_and_score_completions([rows[0], rows[0], rows[1], rows[1]])
+    sequences = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    with torch.no_grad():  # what the loss scores: TRL's forward over the whole conversations
+        scored = trainer._get_per_token_logps_and_entropies(
+            trainer.model,
+            sequences,
+            mask,
+            out["completion_ids"].shape[1],
+            4,
+            pixel_values=out["pixel_values"],
+            image_grid_thw=out["image_grid_thw"],
+            num_images=out["num_images"],
+            mm_token_type_ids=out["mm_token_type_ids"],
+        )
+    out["scored"] = scored[0]
+    metrics = trainer._metrics["train" if trainer.model.training else "eval"]  # TRL's own choice of the two
+    assert not any(
+        k.startswith("fast_generation/") for k in trainer._metrics["eval" if trainer.model.training else "train"]
+    )
+    out["logged"] = {k: v for k, v in metrics.items() if k.startswith("fast_generation/")}
+    return out, dict(trainer.fast_generator.stats)
+
+
+@pytest.mark.trains
+def test_a_tool_turn_continues_the_cache_with_the_tokens_of_a_full_prefill(tiny_dir, tmp_path):
+    """Two prompts of the same ids (an image is the same run of placeholders whatever its pixels) and different
+    images, two rollouts each: every later turn continues its own row's cache (matched by ids and pixels), writes
+    the tokens a full prefill writes, and samples from what the loss scores."""
+    appended, with_append = _rollouts(tiny_dir, tmp_path, append=True, turns=2)
+    full, without = _rollouts(tiny_dir, tmp_path, append=False, turns=2)
+    assert without["appended_rows"] == 0 and with_append["appended_rows"] > 0  # the later turns continued the cache
+    assert with_append["calls"] == without["calls"] >= 2  # the same turns
+    assert with_append["prefill_tokens"] < 0.6 * without["prefill_tokens"]  # the conversation was not prefilled again
+    logged = appended["logged"]  # per call: the first turn's prompts, then the tool turn's appended tokens
+    assert sum(logged["fast_generation/prefill_tokens"]) == with_append["prefill_tokens"]
+    assert logged["fast_generation/appended_rows"][0] == 0 and sum(logged["fast_generation/appended_rows"]) > 0
+    mask = appended["completion_mask"].bool()
+    assert torch.equal(appended["completion_ids"][mask], full["completion_ids"][full["completion_mask"].bool()])
+    assert torch.equal(appended["tool_mask"], full["tool_mask"])
+    # The tokens the model chose after the tool's reply (the call before it was forced, its log-probs biased).
+    replied = mask & appended["tool_mask"].bool() & ((appended["tool_mask"] == 0).cumsum(1) > 0)
+    assert replied.sum(1).min() >= 4
+    ours, theirs = appended["sampling_per_token_logps"], full["sampling_per_token_logps"]
+    assert torch.allclose(ours[replied], theirs[replied], atol=1e-5)
+    assert float((appended["scored"] - ours).abs()[replied].max()) < 1e-5  # the loss scores what was sampled
