@@ -86,3 +86,26 @@ def test_a_copy_that_would_not_fit_is_declined_with_the_fix_named(lora):
     assert copy_unfit_reason(8 * 2**30, 20 * 2**30) is None
     reason = copy_unfit_reason(64 * 2**30, 50 * 2**30)
     assert "64.0 GiB" in reason and "50.0 GiB" in reason and "vllm_tensor_parallel_size" in reason
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5", "llava_onevision", "internvl"])
+def test_fsdp2_is_never_told_to_leave_a_trainable_weight_alone(tiny_dir, family):
+    """accelerate turns each ignored module into all its weights, children's included: a module that owns a frozen
+    weight beside LoRA layers (Qwen3.5's linear attention with its `A_log`, LLaVA-OneVision's root with
+    `image_newline`, InternVL's layers with `lambda_1`) must not be listed, or its adapters would train unsynchronised
+    on each rank. Its frozen weights are copied instead."""
+    from accelerate.utils.fsdp_utils import get_parameters_from_modules
+
+    model, _ = FastVisionModel.from_pretrained(tiny_dir(family))
+    model = FastVisionModel.get_peft_model(model, r=4, random_state=0)
+    copy = GenerationCopy()
+    copy.prepare(model, torch.device("cpu"))
+    ignored = get_parameters_from_modules(copy.shared_modules(model), model, torch.device("cpu"))
+    assert ignored and not any(p.requires_grad for p in ignored)
+    assert {id(p) for p in ignored} == copy.shared  # everything shared is left whole, nothing else
+    own = dict(copy.model.named_parameters())
+    for name, param in model.named_parameters():
+        assert (own[name] is param) == (id(param) in copy.shared)
+    assert GenerationCopy.own_bytes(model, torch.device("cpu")) == sum(
+        p.numel() * p.element_size() for p in model.parameters() if id(p) not in copy.shared
+    )

@@ -210,7 +210,17 @@ def test_the_kl_reference_is_the_warm_started_model(tmp_path, capsys, peft):
                  *(["--use_peft"] if peft else [])]) == 0  # fmt: skip
     (first,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"kl"' in line]
     assert first["kl"] < 1e-6, first["kl"]
-    assert (out / "warm-start" / "config.json").exists() != peft
+    assert (out / "warm-start" / "config.json").exists()
+    if peft:  # final/ is an adapter on the folded, warm-started base: saved, and named as its base
+        config = json.loads((out / "final" / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == str(out / "warm-start")
+        from safetensors.torch import load_file
+
+        def weights(folder):
+            return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+        started, folded = weights(out / "tiny-base"), weights(out / "warm-start")
+        assert started.keys() == folded.keys() and any(not torch.equal(started[k], folded[k]) for k in started)
     said = capsys.readouterr()
     assert ("adapter folded into the base weights" in said.out) == peft and "KL reference is the model" not in said.err
 

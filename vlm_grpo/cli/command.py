@@ -217,8 +217,17 @@ def _warm_start(script: ScriptArguments, config: Any, model: Any, processor: Any
                 model.save_pretrained(path)
         model.config.name_or_path = path
     elif config.beta and (folded := fold_adapters(model)):  # the adapter-off reference is the warm-started model
-        print(f"warm start: the adapter folded into the base weights ({folded} layers) and started afresh: GRPO's KL "
-              "reference is the warm-started model", flush=True)  # fmt: skip
+        # The folded base is saved and named as the adapter's base, so final/ loads onto the warm-started model.
+        from ..models.export import merged_state_dict, write_checkpoint
+
+        path, dtype = os.path.join(config.output_dir, WARM_START_DIR), model.get_base_model().dtype
+        with config.main_process_first(local=False, desc="saving the warm-started base"), library_bars_off():
+            if config.process_index == 0:
+                write_checkpoint(model, processor, merged_state_dict(model, dtype), path, dtype)
+        for adapter in model.peft_config.values():
+            adapter.base_model_name_or_path = path
+        print(f"warm start: the adapter folded into the base weights ({folded} layers, saved to {path}) and started "
+              "afresh: GRPO's KL reference is the warm-started model", flush=True)  # fmt: skip
     elif config.beta:  # a quantised base cannot take the update exactly
         print(f"{PROG}: note: with --use_peft on this base the KL reference is the model with its adapter off, as it "
               "was before the warm start; --beta 0 keeps GRPO from pulling the warm-started adapter back.",

@@ -100,7 +100,7 @@ def finish(
                       title=f"GRPO: {task.name} — {script.model}", before=before.get("accuracy", math.nan),
                       after=results.get("after/accuracy", math.nan), max_steps=trainer.state.max_steps)  # fmt: skip
     base = ", tiny-base/ (the model it started from)" if script.model.startswith(TINY_PREFIX) else ""
-    if warm_start_saved(script, config):
+    if script.warm_start and os.path.isdir(os.path.join(config.output_dir, WARM_START_DIR)):
         base += f", {WARM_START_DIR}/ (after the warm start: GRPO's start and KL reference)"
     print(f"wrote {config.output_dir}/: metrics.jsonl, reward_curve.png, eval.json, final/{base}", flush=True)
     return results

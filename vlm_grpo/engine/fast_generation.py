@@ -134,7 +134,7 @@ class FastGenerator:
     _backup: BaseWeightBackup | None = field(default=None, repr=False)
     _fused: FusedQKV | None = field(default=None, repr=False)
     _kept_sampler: Sampler | None = field(default=None, repr=False)
-    _turns: TurnCache = field(default_factory=TurnCache, repr=False)
+    turns: TurnCache = field(default_factory=TurnCache, repr=False)  # `append_turns`' cache of the last call
 
     def __post_init__(self) -> None:
         self._decode_caches = DecodeCaches(self._graphs)
@@ -281,7 +281,7 @@ class FastGenerator:
         # KV cache to every row of its group (the profiler labels: `benchmarks/decode_profile.py`).
         with record_function("fast_generation.prefill"):
             rows, counts = [prompt_ids[row] for row in unique], [[per_row[r] for r in unique] for per_row in media]
-            turn = self._turns.prefill if self.append_turns else lambda *args: None
+            turn = self.turns.prefill if self.append_turns else lambda *args: None
             done = turn(model, rows, unique_fields, *counts, pad_id, device)
             if done is not None:
                 self.stats["appended_rows"] += len(unique)
@@ -325,7 +325,7 @@ class FastGenerator:
         logprobs = buffers.logprobs[:, width : width + steps].cpu()
         ids = [row[: end + 1].tolist() for row, end in zip(completions.cpu(), ends)]
         if self.append_turns:  # for a tool turn's rows, next: each extends one of these
-            self._turns.remember(model, cache, width, prompt_ids, ids, (unique_fields, counts[0], inverse))
+            self.turns.remember(model, cache, width, prompt_ids, ids, (unique_fields, counts[0], inverse))
         return ids, [row[: end + 1].tolist() for row, end in zip(logprobs, ends)]
 
     def _sampler(self, sampler: Sampler) -> Sampler:

@@ -50,6 +50,25 @@ def _same_device(a: torch.device, b: torch.device | str) -> bool:
     return a.type == b.type and (a.type == "cpu" or a.index == b.index)
 
 
+def _whole_modules(model: nn.Module, weights: set[int]) -> list[nn.Module]:
+    """The modules of `model` whose every parameter, children's included, is in `weights` (ids)."""
+    return [m for m in model.modules() if (ps := list(m.parameters())) and all(id(p) in weights for p in ps)]
+
+
+def _shareable(model: nn.Module, device: torch.device, dtype: torch.dtype | None) -> set[int]:
+    """Ids of the weights a copy of `model` can share rather than copy: frozen, on `device` in the generation dtype,
+    and held only by modules made wholly of such weights. A frozen weight beside a trainable one in a module FSDP2
+    shards (a linear-attention layer's `A_log` next to its LoRA projections, a trainable bias) is copied: sharing it
+    would keep the whole tensor alive beside FSDP2's shard, and ignoring its module would leave the trainable weights
+    under it unsynchronised across ranks."""
+    frozen = set()
+    for param in model.parameters():
+        cast = dtype if dtype is not None and param.is_floating_point() else param.dtype
+        if not param.requires_grad and _same_device(param.device, device) and param.dtype == cast:
+            frozen.add(id(param))
+    return {id(p) for m in _whole_modules(model, frozen) for p in m.parameters()}
+
+
 class GenerationCopy:
     """An unsharded copy of a model for generation, kept at fixed addresses and refreshed once per step."""
 
@@ -69,19 +88,12 @@ class GenerationCopy:
         # Each weight copied once, straight into the dtype and device it generates in (a deepcopy then a cast would
         # hold a second full-precision copy of the model for a moment); tied weights stay one tensor.
         memo: dict[int, Any] = {}
-        self.shared = set()
+        self.shared = _shareable(model, device, dtype) if share_frozen else set()
         for param in model.parameters():
-            if id(param) not in memo:
+            if id(param) in self.shared:
+                memo[id(param)] = param  # the base as it is: FSDP2 leaves it whole (`shared_modules`)
+            elif id(param) not in memo:
                 cast = dtype if dtype is not None and param.is_floating_point() else param.dtype
-                if (
-                    share_frozen
-                    and not param.requires_grad
-                    and _same_device(param.device, device)
-                    and param.dtype == cast
-                ):
-                    memo[id(param)] = param  # the base as it is: FSDP2 leaves it whole (`shared_modules`)
-                    self.shared.add(id(param))
-                    continue
                 value = param.detach().to(device=device, dtype=cast, copy=True)  # never the sharded model's storage
                 memo[id(param)] = nn.Parameter(value, requires_grad=False)
         replica = copy.deepcopy(model, memo)
@@ -102,21 +114,15 @@ class GenerationCopy:
     @staticmethod
     def own_bytes(model: nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> int:
         """Bytes the copy of `model` would allocate on `device` (`prepare`'s arguments): every weight it cannot share."""
-        total, seen = 0, set()
-        for param in model.parameters():
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            cast = dtype if dtype is not None and param.is_floating_point() else param.dtype
-            if not (not param.requires_grad and _same_device(param.device, device) and param.dtype == cast):
-                total += param.numel() * cast.itemsize
-        return total
+        shared = _shareable(model, device, dtype)
+        return sum(param.numel() * (dtype if dtype is not None and param.is_floating_point() else param.dtype).itemsize
+                   for param in model.parameters() if id(param) not in shared)  # fmt: skip
 
     def shared_modules(self, model: nn.Module) -> list[nn.Module]:
-        """The modules of `model` whose own weights are all shared with the copy (a LoRA layer's base, a norm, the
-        embeddings): what FSDP2 must leave unsharded (accelerate's `ignored_modules`), or it would replace them."""
-        return [module for module in model.modules()
-                if (own := list(module.parameters(recurse=False))) and all(id(p) in self.shared for p in own)]  # fmt: skip
+        """The modules of `model` whose every weight, its children's included, is shared with the copy (a LoRA layer's
+        base, a norm, the embeddings): what FSDP2 must leave unsharded (accelerate's `ignored_modules`, which takes each
+        module's weights with its children's), or it would replace them."""
+        return _whole_modules(model, self.shared)
 
     @property
     def shares_weights(self) -> bool:

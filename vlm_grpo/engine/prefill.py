@@ -36,11 +36,12 @@ _PER_TOKEN = {"mm_token_type_ids", "token_type_ids"}
 
 
 def _fingerprint(model: nn.Module) -> tuple[int, ...]:
-    """The in-place version counters of the weights training changes (a LoRA model's adapters, else every weight):
-    the same tuple means the same weights produced the cache (a merge into the base while generating is not counted)."""
+    """The in-place version counters of the weights training changes (the trainable ones; in a frozen copy, its
+    adapters, else every weight): the same tuple means the same weights produced the cache (a LoRA merge into the
+    frozen base while generating is not counted). The caller also forgets the cache at every optimizer step."""
     named = list(model.named_parameters())
-    adapters = [p for n, p in named if "lora_" in n]
-    return tuple(p._version for p in (adapters or [p for _, p in named]))
+    weights = [p for _, p in named if p.requires_grad] or [p for n, p in named if "lora_" in n]
+    return tuple(p._version for p in (weights or [p for _, p in named]))
 
 
 def _first_images(fields: dict[str, Any], count: int) -> tuple[torch.Tensor, ...] | None:
@@ -147,7 +148,13 @@ class TurnCache:
     ) -> Prefill | None:
         """The rows' prefill from the kept cache plus their new tokens, or None (prefill in full) unless every row
         extends a cached row and the model and fields are ones this serves. `fields` holds one row per prompt, each
-        left-padded to the longest."""
+        left-padded to the longest. The kept cache is forgotten either way: the call about to run reuses it."""
+        try:
+            return self._prefill(model, prompt_ids, fields, images_per_row, videos_per_row, pad_id, device)
+        finally:
+            self._last = None
+
+    def _prefill(self, model, prompt_ids, fields, images_per_row, videos_per_row, pad_id, device) -> Prefill | None:
         if any(videos_per_row) or not set(fields) <= _VISION | _PER_TOKEN | {"attention_mask"}:
             return None
         if self._last is None or self._last["version"] != _fingerprint(model):

@@ -114,6 +114,7 @@ def make_generator(trainer: Any) -> FastGenerator:
         merge_lora=getattr(args, "fast_generation_merge_lora", True),
         merge_backup=getattr(args, "fast_generation_merge_backup", "auto"),
         quantized=getattr(args, "fast_generation_quantized", "auto"),
+        append_turns=not gathered,  # weights gathered afresh for each call: no way to tell they are the same
     )
 
 
@@ -167,7 +168,11 @@ def fast_generate(
     (the reason logged once per run). With tools, each call's prefilled tokens and the rows that continued the
     previous turn's cache are logged under `mode`'s metrics (`fast_generation/prefill_tokens`,
     `fast_generation/appended_rows`)."""
-    stats = trainer.fast_generator.stats
+    generator = trainer.fast_generator
+    if getattr(generator, "turns_step", None) != trainer.state.global_step:  # new weights: no turn continues a cache
+        generator.turns.forget()
+        generator.turns_step = trainer.state.global_step
+    stats = generator.stats
     before = (stats["prefill_tokens"], stats["appended_rows"])
     out = _fast_generate(trainer, prompt_ids, images, multimodal_fields, has_tool_images)
     if out is not None and (getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None)):
