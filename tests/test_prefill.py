@@ -47,6 +47,12 @@ def _rollouts(tiny_dir, tmp_path, append: bool, turns: int) -> tuple[dict, dict]
     trainer.generation_config.sequence_bias = _forcing(ids(".<|im_end|>\n<|im_start|>assistant\n"),
                                                        ids(CALL + "<|im_end|>"))  # fmt: skip
     trainer.generation_config.do_sample = False
+    return _scored_rollouts(trainer, rows)
+
+
+def _scored_rollouts(trainer, rows) -> tuple[dict, dict]:
+    """One batch of rollouts (two prompts of the same ids and different images, two each), what the loss scores for
+    them, and the generator's counts so far."""
     out = trainer._generate_and_score_completions([rows[0], rows[0], rows[1], rows[1]])
     sequences = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
     mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
@@ -68,6 +74,7 @@ def _rollouts(tiny_dir, tmp_path, append: bool, turns: int) -> tuple[dict, dict]
         k.startswith("fast_generation/") for k in trainer._metrics["eval" if trainer.model.training else "train"]
     )
     out["logged"] = {k: v for k, v in metrics.items() if k.startswith("fast_generation/")}
+    out["trainer"], out["rows"] = trainer, rows
     return out, dict(trainer.fast_generator.stats)
 
 
@@ -93,3 +100,22 @@ def test_a_tool_turn_continues_the_cache_with_the_tokens_of_a_full_prefill(tiny_
     ours, theirs = appended["sampling_per_token_logps"], full["sampling_per_token_logps"]
     assert torch.allclose(ours[replied], theirs[replied], atol=1e-5)
     assert float((appended["scored"] - ours).abs()[replied].max()) < 1e-5  # the loss scores what was sampled
+
+
+@pytest.mark.trains
+def test_after_an_optimizer_step_the_turns_continue_caches_of_the_new_weights(tiny_dir, tmp_path):
+    """The adapters changed in place and the step count moved on, as after an optimizer step: the next batch's tool
+    turns continue caches made with the new weights, never the old ones (the loss scores what was sampled)."""
+    first, _ = _rollouts(tiny_dir, tmp_path, append=True, turns=2)
+    trainer = first["trainer"]
+    with torch.no_grad():
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.add_(0.05)
+    trainer.state.global_step += 1
+    appended_before = trainer.fast_generator.stats["appended_rows"]
+    second, stats = _scored_rollouts(trainer, first["rows"])
+    assert stats["appended_rows"] > appended_before
+    replied = second["completion_mask"].bool() & second["tool_mask"].bool()
+    replied &= (second["tool_mask"] == 0).cumsum(1) > 0
+    assert replied.any() and float((second["scored"] - second["sampling_per_token_logps"]).abs()[replied].max()) < 1e-5
