@@ -114,7 +114,10 @@ def make_generator(trainer: Any) -> FastGenerator:
         merge_lora=getattr(args, "fast_generation_merge_lora", True),
         merge_backup=getattr(args, "fast_generation_merge_backup", "auto"),
         quantized=getattr(args, "fast_generation_quantized", "auto"),
-        append_turns=not gathered,  # weights gathered afresh for each call: no way to tell they are the same
+        # Only tool loops have later turns to continue; never where weights are gathered afresh for each call (no
+        # way to tell they are the same).
+        append_turns=bool(getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None))
+        and not gathered,
     )
 
 
