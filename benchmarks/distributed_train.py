@@ -315,6 +315,10 @@ def main() -> None:
         "frac_reward_zero_std": [h.get("frac_reward_zero_std") for h in history],
         "sampling_rounds": [h.get("dynamic_sampling/rounds") for h in history],
         "reward_calls": getattr(reward, "calls", None),
+        # A full fine-tune's KL reference: loaded on the host (device_map None), then sharded like the policy
+        "reference": None if not isinstance(trainer.ref_model, torch.nn.Module) else {
+            "device_map": (trainer.args.model_init_kwargs or {}).get("device_map", "unset"),
+            "sharding": sharding(trainer.ref_model)},
     }  # fmt: skip
     _write_record(args.out_dir, rank, record)  # the training's numbers first: a check below that fails leaves them
     if record["sharding"] == "fsdp2":  # every gather for generation was given back: the weights are shards again

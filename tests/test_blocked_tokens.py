@@ -185,6 +185,28 @@ def test_blocked_ids_and_refusals():
     assert BLOCKED_LOGIT * 2 > torch.finfo(torch.float16).min  # representable in an fp16 tile
 
 
+def test_a_zero3_partitioned_head_is_checked_by_its_whole_shape():
+    # ZeRO-3 leaves a partitioned weight empty outside a gather (shape (0,)) and keeps its shape in `ds_shape`: the
+    # check and the blocking bias read the whole vocabulary, as the 3B ZeRO-3 run on two H100s needed.
+    class Partitioned(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm_head = torch.nn.Linear(4, 12, bias=False)
+            self.lm_head.weight.data = torch.empty(0)
+            self.lm_head.weight.ds_shape = torch.Size([12, 4])
+
+        def get_output_embeddings(self) -> torch.nn.Module:
+            return self.lm_head
+
+    model = Partitioned()
+    with excluded_from_scoring(model, (3, 11)):
+        bias = model.get_output_embeddings().bias
+    assert bias.shape == (12,) and bias[[3, 11]].eq(BLOCKED_LOGIT).all() and not bias[:3].any()
+    with pytest.raises(ValueError, match="outside the LM head's 12 rows"):
+        with excluded_from_scoring(model, (12,)):
+            pass
+
+
 def test_settings_that_reweight_by_context_are_said(caplog):
     with caplog.at_level("WARNING", logger="vlm_grpo.blocked_tokens"):
         check_blocking_settings(GenerationConfig(repetition_penalty=1.0, no_repeat_ngram_size=0))

@@ -138,6 +138,9 @@ def test_fsdp2_full_fine_tuning_trains_and_exports_the_unwrapped_architecture(tm
     records = _records(tmp_path)
     assert all(r["sharding"] == "fsdp2" and r["steps"] == 2 and r["finite"] and r["resharded"] for r in records)
     assert records[0]["checksum"] == records[1]["checksum"]
+    # TRL's KL reference loads on the host, not with its "auto" (every rank's whole copy on the first GPUs), and is
+    # sharded like the policy
+    assert all(r["reference"] == {"device_map": None, "sharding": "fsdp2"} for r in records)
     export = records[0]["export"]
     # FSDP2 swaps the root's class for a generated FSDPQwen2_5_VL...; the checkpoint still names the real one.
     assert export["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]

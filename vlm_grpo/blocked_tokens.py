@@ -152,9 +152,15 @@ class _HeadWithBlockedIds:
         return getattr(self._head, name)
 
 
+def head_rows(weight: torch.Tensor) -> int:
+    """The LM head's vocabulary rows: ZeRO-3 leaves a partitioned weight empty outside a gather and keeps its whole
+    shape in `ds_shape` (the 3B run's first ZeRO-3 attempt stopped at "outside the LM head's 0 rows")."""
+    return int(getattr(weight, "ds_shape", weight.shape)[0])
+
+
 def _blocking_bias(head: Any, ids: tuple[int, ...]) -> torch.Tensor:
     weight = head.weight
-    bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+    bias = torch.zeros(head_rows(weight), dtype=torch.float32, device=weight.device)
     bias[list(ids)] = BLOCKED_LOGIT
     own = getattr(head, "bias", None)
     if own is not None:
@@ -190,8 +196,8 @@ def excluded_from_scoring(model: Any, ids: tuple[int, ...]) -> Iterator[None]:
     head = original()
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings to score blocked tokens against")
-    if max(ids) >= head.weight.shape[0]:
-        raise ValueError(f"blocked token id {max(ids)} is outside the LM head's {head.weight.shape[0]} rows")
+    if max(ids) >= head_rows(head.weight):
+        raise ValueError(f"blocked token id {max(ids)} is outside the LM head's {head_rows(head.weight)} rows")
     proxy = _HeadWithBlockedIds(head, ids)
     model.get_output_embeddings = lambda: proxy
     try:

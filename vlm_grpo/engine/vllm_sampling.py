@@ -26,7 +26,7 @@ from typing import Any
 
 from transformers import GenerationConfig
 
-from ..blocked_tokens import blocked_ids
+from ..blocked_tokens import blocked_ids, head_rows
 from ..families import core_model, find_family
 
 __all__ = ["VLLMSampling", "placeholder_ids", "vllm_sampling"]
@@ -131,7 +131,7 @@ def vllm_sampling(args: Any, model: Any, processing_class: Any) -> VLLMSampling:
             raise ValueError(f"bad_words entry {word!r} is several tokens: vLLM blocks its last token only after the "
                              "others, which the loss cannot apply to its softmax. Give single-token words.")  # fmt: skip
         blocked.update(sequence[0] for sequence in sequences)
-    vocab_size = core_model(model).get_output_embeddings().weight.shape[0]
+    vocab_size = head_rows(core_model(model).get_output_embeddings().weight)  # ZeRO-3: the whole head's rows
     if (allowed := kwargs.pop("allowed_token_ids", None)) is not None:  # the head's rows past the tokenizer too
         blocked |= set(range(vocab_size)) - {int(i) for i in allowed}
     reweighting = [

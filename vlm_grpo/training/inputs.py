@@ -10,6 +10,8 @@ given tools, a processor whose chat template cannot render them gets one where t
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +27,9 @@ from ..models.loader import FastBaseVisionModel
 from ..rewards.checks import checked_reward_func
 from ..tools.templates import prepare_tool_template
 
-__all__ = ["TrainerInputs", "model_init_kwargs", "prepare_inputs", "refuse_frozen_model"]
+__all__ = ["TrainerInputs", "model_init_kwargs", "prepare_inputs", "reference_on_host_under_fsdp", "refuse_frozen_model"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -66,6 +70,28 @@ def refuse_frozen_model(model: Any) -> None:
             "adapters with `model = FastVisionModel.get_peft_model(model, r=16, ...)`, or load it with "
             "`FastVisionModel.from_pretrained(..., full_finetuning=True)` to train all weights."
         )
+
+
+def reference_on_host_under_fsdp(model: Any, args: Any, peft_config: Any) -> bool:
+    """Under FSDP, have TRL load a full fine-tune's KL reference with `device_map=None`; True where it was set.
+
+    TRL builds that reference from `args.model_init_kwargs` and resets `device_map` to None only under DDP and
+    DeepSpeed; under FSDP its default `"auto"` puts every rank's whole reference on the first GPUs (the 7B full
+    fine-tune on four H100s died there before its first step). Loaded on the host, `prepare_fsdp` moves each rank's
+    shard to its own GPU. A `device_map` the user set is kept."""
+    if getattr(args, "beta", 0.0) == 0.0 or peft_config is not None or hasattr(model, "peft_config"):
+        return False  # no reference model, or the adapters switched off serve as it
+    # Before the trainer's Accelerator exists, FSDP shows only in the launcher's environment or the config's `fsdp`
+    # (the state TRL reads says FSDP once the Accelerator is made, hence TRL's "auto").
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true" and not getattr(args, "fsdp", None):
+        return False
+    init_kwargs = dict(args.model_init_kwargs or {})
+    if "device_map" in init_kwargs:
+        return False
+    args.model_init_kwargs = {**init_kwargs, "device_map": None}
+    logger.warning("FSDP: TRL's KL reference loads on the host and is sharded to each rank (device_map=None); TRL's "
+                "note that model_init_kwargs is ignored is about the policy, which was already loaded.")  # fmt: skip
+    return True
 
 
 def _checked_datasets(train: Any, evaluation: Any, args: Any) -> tuple[Any, Any, dict[str, SkippedRows]]:
@@ -127,6 +153,7 @@ def prepare_inputs(
     train_dataset, eval_dataset, skipped_rows = _checked_datasets(train_dataset, eval_dataset, args)
     if kwargs.get("peft_config") is None:  # else TRL adds the trainable adapters
         refuse_frozen_model(model)
+    reference_on_host_under_fsdp(model, args, kwargs.get("peft_config"))
     if reward_funcs is not None:
         reward_funcs = [
             checked_reward_func(f) for f in (reward_funcs if isinstance(reward_funcs, list) else [reward_funcs])
