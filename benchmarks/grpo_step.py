@@ -3,6 +3,7 @@
     python benchmarks/grpo_step.py --model qwen2.5-vl-3b --image_size 448 --steps 3
     python benchmarks/grpo_step.py --model qwen2.5-vl-3b --image_size 896 --load_in_4bit
     python benchmarks/grpo_step.py --model qwen2.5-vl-3b --image_size 448 --video_frames 16   # clips, see below
+    python benchmarks/grpo_step.py --model qwen2.5-vl-3b --tools 2 --completion_length 64    # 2 crop calls a rollout
 
 Runs each trainer in its own process (so neither inherits the other's CUDA caches or compiled graphs),
 alternating: `vlm-grpo` (VLMGRPOTrainer with FastVisionModel, its defaults), `trl` (trl.GRPOTrainer
@@ -33,6 +34,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+
+import forced_tools  # benchmarks/ is on the path from here
+from step_report import failure_line
 
 TRAINERS = (
     "vlm-grpo",
@@ -100,12 +104,10 @@ def parse_args(argv=None):
     p.add_argument("--steps_trl", type=int, default=None,
                    help="steps for the trl / trl-static runs (default: enough for 3 measured steps, or --steps if more; "
                    "TRL's own step varies up to 1.6x between steps)")  # fmt: skip
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=2,
-        help="alternating rounds of all trainers (2: every ratio from two invocations' worth of runs)",
-    )
+    p.add_argument("--rounds", type=int, default=2,
+                   help="alternating rounds of all trainers (2: every ratio from two invocations' worth of runs)")  # fmt: skip
+    p.add_argument("--tools", type=int, default=0,
+                   help="forced `crop` calls per rollout: multi-turn tool rollouts (forced_tools.py); 0: one turn")  # fmt: skip
     p.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA r=16 on all linear layers")
     p.add_argument("--no_gradient_checkpointing", action="store_true")
     p.add_argument("--load_in_4bit", action="store_true")
@@ -198,6 +200,12 @@ def run_worker(args) -> None:
         max_steps=args.steps if trainer_name in VLM_VARIANTS else _trl_steps(args), logging_steps=1, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
     )  # fmt: skip
     dataset = _dataset(args)
+    tool_kwargs: dict = {}
+    if args.tools:  # every rollout calls crop N times (forced_tools.py), on every trainer alike
+        from vlm_grpo.tools import image_tools
+
+        common.update(forced_tools.tool_settings(args))
+        tool_kwargs["environment_factory"] = image_tools("crop")
     if args.video_frames:  # every frame kept: the clip is the benchmark's input, not the sampler's choice
         common["video_num_frames"] = args.video_frames
     records: list = []
@@ -214,7 +222,7 @@ def run_worker(args) -> None:
         if not args.full:
             model = FastVisionModel.get_peft_model(model, r=16, lora_alpha=16)
         trainer = timed(VLMGRPOTrainer)(model, [_reward], args=VLMGRPOConfig(**common), train_dataset=dataset,
-                                         processing_class=processor, callbacks=[timer])  # fmt: skip
+                                         processing_class=processor, callbacks=[timer], **tool_kwargs)  # fmt: skip
         for name, value in GENERATOR_VARIANTS.get(trainer_name, {}).items():
             setattr(trainer.fast_generator, name, value)
     else:
@@ -246,10 +254,15 @@ def run_worker(args) -> None:
             if trainer_name == "trl-vllm-blocked":
                 common["generation_kwargs"]["bad_words"] = ["<|image_pad|>", "<|video_pad|>"]
             base = GRPOTrainer
+        if args.tools:  # the tool template a TRL user must paste for Qwen2.5-VL (its own renders no tools)
+            forced_tools.tool_template(processor, model, tool_kwargs)
         peft_config = None if args.full else LoraConfig(r=16, lora_alpha=16, target_modules="all-linear")
         trainer = timed(base)(model, [_reward], args=GRPOConfig(**common), train_dataset=dataset,
-                                      processing_class=processor, peft_config=peft_config, callbacks=[timer])  # fmt: skip
+                                      processing_class=processor, peft_config=peft_config, callbacks=[timer],
+                                      **tool_kwargs)  # fmt: skip
     timer.trainer = trainer
+    if args.tools:
+        forced_tools.force_calls(trainer, args.image_size)
     if args.profile_step:
         from step_profile import profiling_callback
         from torch.profiler import record_function
@@ -288,21 +301,13 @@ def run_worker(args) -> None:
               # vlm-grpo: log-prob calls served by the shared-prefix path, and why any fell back to TRL's
               "shared_prefix_calls": getattr(trainer, "shared_prefix_calls", None),
               "shared_prefix_fallbacks": getattr(trainer, "shared_prefix_fallbacks", {}),
-              "memory_peak": memory.get("result")}  # fmt: skip
+              "memory_peak": memory.get("result"),
+              "tools": forced_tools.tool_stats(trainer.state.log_history) if args.tools else None}  # fmt: skip
     with open(args.worker_out, "w") as f:
         json.dump(result, f)
 
 
 # ----------------------------------------------------------------------------------------------- orchestrator
-
-
-def _failure(stderr: str) -> str:
-    """The line that says why a worker failed: its last error line, not a warning printed at exit."""
-    if "OutOfMemoryError" in stderr:
-        return "out of memory"
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line and "Warning" not in line]
-    return (errors or lines or ["no output"])[-1][-200:]
 
 
 def main(argv=None) -> None:
@@ -342,7 +347,7 @@ def main(argv=None) -> None:
             )
             if proc.returncode != 0:
                 print(proc.stdout[-2000:], proc.stderr[-6000:], flush=True)
-                failures[name] = _failure(proc.stderr)
+                failures[name] = failure_line(proc.stderr)
             else:
                 with open(out) as f:
                     runs[name].append(json.load(f))
@@ -378,6 +383,7 @@ def _write_report(args, env: dict, runs: dict, failures: dict) -> str:
         if q := run_summary["quantized_generation"]:
             table += (f"\n{name}: quantised layers generate in {q['mode']} mode ({q['layers']} layers, "
                       f"{q['copy_gib']:.1f} GiB of 16-bit copies)\n")  # fmt: skip
+    table += forced_tools.markdown(runs, args) if args.tools else ""
     for name, name_runs in runs.items():
         if name_runs and name_runs[0].get("memory_peak"):
             table += memory_markdown(name, name_runs[0]["memory_peak"])

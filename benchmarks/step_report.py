@@ -66,3 +66,12 @@ def markdown(summaries: dict, args, env: dict, variants: dict) -> str:
                 )
                 lines.append(f"| ratio {mine} / {base} | " + " | ".join(ratio(ours[k], b[k]) for k in keys) + " | | |")
     return "\n".join(lines) + "\n"
+
+
+def failure_line(stderr: str) -> str:
+    """The line that says why a worker failed: its last error line, not a warning printed at exit."""
+    if "OutOfMemoryError" in stderr:
+        return "out of memory"
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line and "Warning" not in line]
+    return (errors or lines or ["no output"])[-1][-200:]

@@ -7,7 +7,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
-from grpo_step import _failure
+from step_report import failure_line
 
 # The tail of the 7B TRL + vLLM worker that crashed on a sampled image pad (H100, 2026-11-27).
 CRASH = """[rank0]:     raise error_type(message_evaluated)
@@ -17,9 +17,9 @@ CRASH = """[rank0]:     raise error_type(message_evaluated)
 
 
 def test_the_error_line_is_named_not_the_exit_warning():
-    assert _failure(CRASH) == (
+    assert failure_line(CRASH) == (
         "[rank0]: ValueError: Image features and image tokens do not match, tokens: 4097, features: 4096"
     )
-    assert _failure("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB") == "out of memory"
-    assert _failure("only a line\n") == "only a line"
-    assert _failure("") == "no output"
+    assert failure_line("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB") == "out of memory"
+    assert failure_line("only a line\n") == "only a line"
+    assert failure_line("") == "no output"

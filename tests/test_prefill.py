@@ -22,7 +22,7 @@ def _forcing(context: list[int], reply: list[int]) -> list:
     return [[context + reply[: i + 1], 2.0 ** (len(context) + i + 1)] for i in range(len(reply))]
 
 
-def _rollouts(tiny_dir, tmp_path, append: bool, turns: int) -> tuple[dict, dict]:
+def _rollouts(tiny_dir, tmp_path, append: bool, turns: int, end: str = "<|im_end|>") -> tuple[dict, dict]:
     model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen3_vl", tools=True, words=answer_words("zoom", 1)))
     model = FastVisionModel.get_peft_model(model, r=4, random_state=0)
     torch.manual_seed(1)
@@ -45,7 +45,9 @@ def _rollouts(tiny_dir, tmp_path, append: bool, turns: int) -> tuple[dict, dict]
     # The first turn calls zoom (forced); the turn after the tool's reply is the model's own greedy choice, read off
     # the cache that turn continues.
     trainer.generation_config.sequence_bias = _forcing(ids(".<|im_end|>\n<|im_start|>assistant\n"),
-                                                       ids(CALL + "<|im_end|>"))  # fmt: skip
+                                                       ids(CALL + end))  # fmt: skip
+    if end != "<|im_end|>":  # the turn cut by its length right after `end`, as a random model's turns are
+        trainer.generation_config.max_new_tokens = len(ids(CALL + end))
     trainer.generation_config.do_sample = False
     return _scored_rollouts(trainer, rows)
 
@@ -100,6 +102,23 @@ def test_a_tool_turn_continues_the_cache_with_the_tokens_of_a_full_prefill(tiny_
     ours, theirs = appended["sampling_per_token_logps"], full["sampling_per_token_logps"]
     assert torch.allclose(ours[replied], theirs[replied], atol=1e-5)
     assert float((appended["scored"] - ours).abs()[replied].max()) < 1e-5  # the loss scores what was sampled
+
+
+@pytest.mark.trains
+def test_a_sampled_vision_start_token_opens_no_image_in_the_appended_turn(tiny_dir, tmp_path):
+    """A random model samples any id: a turn cut by its length right after a sampled `<|vision_start|>` leaves it
+    first in the next turn's new tokens, where it opens no image. The appended turn takes the pixels of the tool's
+    image alone (counting starts had taken two images' pixels for one image's placeholders: "Image features and
+    image tokens do not match") and writes what a full prefill writes."""
+    appended, with_append = _rollouts(tiny_dir, tmp_path, append=True, turns=1, end="<|vision_start|>")
+    full, _ = _rollouts(tiny_dir, tmp_path, append=False, turns=1, end="<|vision_start|>")
+    assert with_append["appended_rows"] > 0 and appended["trainer"]._metrics["train"]["tools/call_frequency"] == [1.0]
+    assert torch.equal(appended["completion_ids"], full["completion_ids"])
+    replied = appended["completion_mask"].bool() & appended["tool_mask"].bool()  # after the tool's reply: sampled
+    replied &= (appended["tool_mask"] == 0).cumsum(1) > 0  # freely (the call before it was forced)
+    assert (
+        replied.any() and float((appended["scored"] - appended["sampling_per_token_logps"]).abs()[replied].max()) < 1e-5
+    )
 
 
 @pytest.mark.trains

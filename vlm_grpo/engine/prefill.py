@@ -165,7 +165,7 @@ class TurnCache:
             return None
         from transformers import DynamicCache
 
-        last, start_token = self._last, getattr(model.config, "vision_start_token_id", None)
+        last, image_token = self._last, getattr(model.config, "image_token_id", None)
         width = max(len(ids) for ids in prompt_ids)
         layers = len(last["cache"].layers)
         keys, values, logits, positions, prefilled = [[] for _ in range(layers)], [[] for _ in range(layers)], [], [], 0
@@ -173,9 +173,12 @@ class TurnCache:
             full_ids, full_kwargs = left_padded([ids], per_row[row], len(ids), pad_id, device)
             position = generation_position_ids(model, full_ids, full_kwargs)  # the whole conversation's positions
             new = full_ids[:, cached:]
-            new_images = int((new == start_token).sum()) if start_token is not None else 0
-            if images_per_row[row] and start_token is None:
+            if images_per_row[row] and image_token is None:
                 return None
+            # An image is a run of its placeholder ids; a sampled vision-start token (a random model samples any id)
+            # opens no image, so the starts are not counted
+            pads = new[0] == image_token
+            new_images = int(pads[0]) + int((pads[1:] & ~pads[:-1]).sum())
             kwargs = {"attention_mask": torch.ones(1, len(ids), dtype=torch.long, device=device)}
             for name, value in full_kwargs.items():
                 if name in _PER_TOKEN:

@@ -27,7 +27,13 @@ from ..models.loader import FastBaseVisionModel
 from ..rewards.checks import checked_reward_func
 from ..tools.templates import prepare_tool_template
 
-__all__ = ["TrainerInputs", "model_init_kwargs", "prepare_inputs", "reference_on_host_under_fsdp", "refuse_frozen_model"]
+__all__ = [
+    "TrainerInputs",
+    "model_init_kwargs",
+    "prepare_inputs",
+    "reference_on_host_under_fsdp",
+    "refuse_frozen_model",
+]
 
 logger = logging.getLogger(__name__)
 
