@@ -56,7 +56,9 @@ def sampler_gap_trl(base):
                 scored, self._gap_scored = self._gap_scored, None
             if scored and "sampling_per_token_logps" in inputs:
                 reference = inputs.get("old_per_token_logps", scored[0])
-                log_logp_gap(self, reference, inputs["sampling_per_token_logps"], inputs["completion_mask"])
+                mask = inputs["completion_mask"]  # a tool's answer is not sampled (TRL gives it log-prob 0.0)
+                mask = mask * inputs["tool_mask"] if "tool_mask" in inputs else mask
+                log_logp_gap(self, reference, inputs["sampling_per_token_logps"], mask)
             return loss
 
         def _get_per_token_logps_and_entropies(self, *args, **kwargs):

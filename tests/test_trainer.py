@@ -63,20 +63,23 @@ def test_config_defaults_are_vlm_friendly(tmp_path):
 @pytest.mark.slow
 @pytest.mark.trains
 @pytest.mark.parametrize(
-    "family, steps, bar",
-    # The acceptance bar: tiny Qwen2.5-VL and Qwen3.5 go to >= 0.8; Idefics3 passes a looser bar in fewer steps. Tiny
-    # Qwen3.5's tokenizer is byte-level (transformers loads every Qwen3.5 tokenizer as one): 455 ids where the
-    # word-level ones have ~120, so a random model finds the answers less often and needs more steps (0.78 at 400).
-    [("qwen2_5_vl", 400, 0.8), ("idefics3", 300, 0.6), ("qwen3_5", 500, 0.8)],
+    "family, steps, bar, schedule",
+    # The acceptance bar: tiny Qwen2.5-VL and Qwen3.5 go to >= 0.8; Idefics3 passes a looser bar. With a constant
+    # learning rate Qwen2.5-VL reaches 1.0 by step 100 and Idefics3 0.98 by step 200 (measured on one CPU thread).
+    # Tiny Qwen3.5's tokenizer is byte-level (transformers loads every Qwen3.5 tokenizer as one): 455 ids where the
+    # word-level ones have ~120, so a random model finds the answers less often and needs more steps (0.78 at 400);
+    # it keeps the decaying rate, without which it fell back from 0.72 to 0.42 between steps 300 and 350.
+    [("qwen2_5_vl", 150, 0.8, "constant"), ("idefics3", 200, 0.6, "constant"), ("qwen3_5", 500, 0.8, "linear")],
 )
-def test_learns_colour_task_from_random_init(tiny_dir, tmp_path, family, steps, bar):
+def test_learns_colour_task_from_random_init(tiny_dir, tmp_path, family, steps, bar, schedule):
     """Real training from random init: held-out accuracy <= 0.35 before (chance is 0.25), >= `bar` after."""
     train = make_visual_reasoning_dataset("color", 512, seed=0)
     test = make_visual_reasoning_dataset("color", 64, seed=0, split="test")
     model, processor = _model(tiny_dir, family)
     before = evaluate(model, processor, test, [choice], max_new_tokens=4)["accuracy"]
     # The demo's recipe (vlm_grpo.cli.demo.DEMO): 4 prompts x 16 generations, lr 5e-4.
-    config = _config(tmp_path, per_device_train_batch_size=64, num_generations=16, max_steps=steps, logging_steps=50)
+    config = _config(tmp_path, per_device_train_batch_size=64, num_generations=16, max_steps=steps, logging_steps=50,
+                     lr_scheduler_type=schedule)  # fmt: skip
     trainer = VLMGRPOTrainer(model, [choice], args=config, train_dataset=train, processing_class=processor)
     trainer.train()
     after = evaluate(trainer.model, processor, test, [choice], max_new_tokens=4)["accuracy"]
@@ -92,21 +95,21 @@ def test_learns_colour_task_from_random_init(tiny_dir, tmp_path, family, steps, 
 def test_learns_the_video_task_from_random_init(tiny_dir, tmp_path, family):
     """Real training on clips (fast generation and the shared prefix on): which colour a shape turns to. Both
     colours are in every clip, so a model that reads the colours but not their order stays near 0.5; before: <= 0.35
-    (chance 0.25), after 300 steps: >= 0.8 (runs reached 1.0 on Qwen2.5-VL and Qwen3-VL, ~1.5 min each on one CPU
-    thread)."""
+    (chance 0.25), after 250 steps: >= 0.8 (runs reached 1.0 by step 200 on Qwen2.5-VL and 150 on Qwen3-VL, under a
+    minute each on one CPU thread)."""
     words = answer_words("color_change", 1)
     reward = make_choice_reward(words)
     train = make_visual_reasoning_dataset("color_change", 512, seed=0)
     test = make_visual_reasoning_dataset("color_change", 64, seed=0, split="test")
     model, processor = FastVisionModel.from_pretrained(tiny_dir(family, words=words), full_finetuning=True)
     before = evaluate(model, processor, test, [reward], max_new_tokens=4)["accuracy"]
-    config = _config(tmp_path, per_device_train_batch_size=64, num_generations=16, max_steps=300, logging_steps=50,
+    config = _config(tmp_path, per_device_train_batch_size=64, num_generations=16, max_steps=250, logging_steps=50,
                      lr_scheduler_type="constant")  # fmt: skip
     trainer = VLMGRPOTrainer(model, [reward], args=config, train_dataset=train, processing_class=processor)
     trainer.train()
     after = evaluate(trainer.model, processor, test, [reward], max_new_tokens=4)["accuracy"]
     assert before <= 0.35 and after >= 0.8, (before, after)
-    assert trainer.fast_generator.stats["calls"] == 300 and trainer.shared_prefix_calls >= 300
+    assert trainer.fast_generator.stats["calls"] == 250 and trainer.shared_prefix_calls >= 250
 
 
 def _length(prompts, completions, **kwargs):
