@@ -15,17 +15,21 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-# Tokens a tool turn adds besides the sampled ones: the tool message's template and text, and the crop's image (a
-# quarter of a 448^2 image: 224^2 pixels, 64 tokens after Qwen-VL's 2x2 merge); generous, so no turn is dropped.
-TOOL_MESSAGE_TOKENS = 192
+# Tokens a tool turn adds besides the sampled ones and its image: the tool message's template and text (generous, so
+# no turn is dropped). The crop's image is a quarter of the prompt's: (side / 2 / 28)^2 tokens after Qwen-VL's 2x2
+# merge of 14-pixel patches (64 at 448^2).
+TOOL_TEXT_TOKENS = 128
 
 
 def tool_settings(args: Any) -> dict[str, Any]:
     """Config overrides for N forced calls: the turn limit, a per-turn length and a budget that holds every turn."""
+    if "vllm" in (getattr(args, "worker", None) or ""):  # vLLM's per-turn length and blocked ids are set apart
+        raise SystemExit("--tools runs the trainers that generate with transformers or the fast engine, not vLLM")
     turns = args.tools + 1
+    tool_tokens = TOOL_TEXT_TOKENS + (args.image_size // 56) ** 2
     return {
         "max_tool_calling_iterations": args.tools,
-        "max_completion_length": turns * args.completion_length + args.tools * TOOL_MESSAGE_TOKENS,
+        "max_completion_length": turns * args.completion_length + args.tools * tool_tokens,
         "generation_kwargs": {"min_new_tokens": args.completion_length, "max_new_tokens": args.completion_length},
     }
 

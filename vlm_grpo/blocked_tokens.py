@@ -126,10 +126,10 @@ def suppress_token(trainer: Any, token_id: int | None) -> None:
     it too, since it reads `blocked_ids` of the same config."""
     if token_id is None:
         return
-    suppressed = list(trainer.generation_kwargs.get("suppress_tokens") or [])
-    if token_id not in suppressed:
-        trainer.generation_kwargs["suppress_tokens"] = [*suppressed, token_id]
-        trainer.generation_config.suppress_tokens = [*suppressed, token_id]
+    for owner in (trainer.generation_kwargs, vars(trainer.generation_config)):  # TRL builds one from the other
+        suppressed = list(owner.get("suppress_tokens") or [])
+        if token_id not in suppressed:
+            owner["suppress_tokens"] = [*suppressed, token_id]
 
 
 class _HeadWithBlockedIds:

@@ -165,7 +165,8 @@ class TurnCache:
             return None
         from transformers import DynamicCache
 
-        last, image_token = self._last, getattr(model.config, "image_token_id", None)
+        last, start_token = self._last, getattr(model.config, "vision_start_token_id", None)
+        image_token = getattr(model.config, "image_token_id", None)
         width = max(len(ids) for ids in prompt_ids)
         layers = len(last["cache"].layers)
         keys, values, logits, positions, prefilled = [[] for _ in range(layers)], [[] for _ in range(layers)], [], [], 0
@@ -173,12 +174,14 @@ class TurnCache:
             full_ids, full_kwargs = left_padded([ids], per_row[row], len(ids), pad_id, device)
             position = generation_position_ids(model, full_ids, full_kwargs)  # the whole conversation's positions
             new = full_ids[:, cached:]
-            if images_per_row[row] and image_token is None:
-                return None
+            if images_per_row[row] and (start_token is None or image_token is None):
+                return None  # the families whose images open with a start token (Qwen-VL, GLM-4V): tested here
             # An image is a run of its placeholder ids; a sampled vision-start token (a random model samples any id)
             # opens no image, so the starts are not counted
-            pads = new[0] == image_token
+            pads = new[0] == (image_token if image_token is not None else -1)
             new_images = int(pads[0]) + int((pads[1:] & ~pads[:-1]).sum())
+            if new_images and "image_grid_thw" not in full_kwargs:
+                return None
             kwargs = {"attention_mask": torch.ones(1, len(ids), dtype=torch.long, device=device)}
             for name, value in full_kwargs.items():
                 if name in _PER_TOKEN:

@@ -85,7 +85,9 @@ def reference_on_host_under_fsdp(model: Any, args: Any, peft_config: Any) -> boo
     DeepSpeed; under FSDP its default `"auto"` puts every rank's whole reference on the first GPUs (the 7B full
     fine-tune on four H100s died there before its first step). Loaded on the host, `prepare_fsdp` moves each rank's
     shard to its own GPU. A `device_map` the user set is kept."""
-    if getattr(args, "beta", 0.0) == 0.0 or peft_config is not None or hasattr(model, "peft_config"):
+    from accelerate.utils import is_peft_model  # TRL's own test for "the adapters off serve as the reference"
+
+    if getattr(args, "beta", 0.0) == 0.0 or peft_config is not None or is_peft_model(model):
         return False  # no reference model, or the adapters switched off serve as it
     # Before the trainer's Accelerator exists, FSDP shows only in the launcher's environment or the config's `fsdp`
     # (the state TRL reads says FSDP once the Accelerator is made, hence TRL's "auto").

@@ -159,8 +159,8 @@ class VLMGRPOTrainer(GRPOTrainer):
         unwrapped = self.accelerator.unwrap_model(self.model)
         if vllm is not None:  # prompts vLLM expands as the trainer did, checked; the blocked ids reach its sampling
             attach_vllm(self, vllm)
-        if ready.with_clips or self.tools:  # as TRL blocks the image token: a sampled video token has no features
-            # behind it, in this turn's scoring (clips) or in the next turn's prompt (a tool call's answer)
+        if (ready.with_clips or self.tools) and vllm is None:  # as TRL blocks the image pad (vLLM: both, already):
+            # a sampled video pad has no features behind it, in scoring (clips) or in the next turn's prompt (tools)
             suppress_token(self, getattr(unwrapped.config, "video_token_id", None))
         check_blocking_settings(merged_generation_config(core_model(unwrapped), self.generation_config))
         apply_configured_checkpointing(unwrapped, args)
