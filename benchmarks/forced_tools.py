@@ -58,12 +58,9 @@ def force_calls(trainer: Any, image_size: int) -> None:
     # Plain TRL blocks only the image pad: a random model's sampled video pad then crashes the next turn's prompt
     # (its mm_token_type_ids name a video with no clip). Blocked here as a user would, so TRL's loop runs at all;
     # VLMGRPOTrainer blocks it itself whenever it has tools.
-    config = trainer.generation_config
-    video = getattr(trainer.model.config, "video_token_id", None)
-    if video is not None and video not in (config.suppress_tokens or []):
-        config.suppress_tokens = [*(config.suppress_tokens or []), video]
-    if getattr(tokenizer, "response_schema", None) is None and getattr(tokenizer, "response_template", None) is None:
-        tokenizer.response_schema = {"forced": True}  # TRL parses tool calls only for a tokenizer with a parser
+    from vlm_grpo.blocked_tokens import suppress_token
+
+    suppress_token(trainer, getattr(trainer.model.config, "video_token_id", None))
 
 
 def tool_stats(log_history: list[dict[str, Any]]) -> dict[str, float]:

@@ -126,10 +126,11 @@ def suppress_token(trainer: Any, token_id: int | None) -> None:
     it too, since it reads `blocked_ids` of the same config."""
     if token_id is None:
         return
-    for owner in (trainer.generation_kwargs, vars(trainer.generation_config)):  # TRL builds one from the other
-        suppressed = list(owner.get("suppress_tokens") or [])
-        if token_id not in suppressed:
-            owner["suppress_tokens"] = [*suppressed, token_id]
+    kwargs, config = trainer.generation_kwargs, trainer.generation_config  # TRL built the config from the kwargs
+    if token_id not in (kwargs.get("suppress_tokens") or []):
+        kwargs["suppress_tokens"] = [*(kwargs.get("suppress_tokens") or []), token_id]
+    if token_id not in (config.suppress_tokens or []):
+        config.suppress_tokens = [*(config.suppress_tokens or []), token_id]
 
 
 class _HeadWithBlockedIds:

@@ -44,6 +44,13 @@ def _fingerprint(model: nn.Module) -> tuple[int, ...]:
     return tuple(p._version for p in (weights or [p for _, p in named]))
 
 
+def _image_runs(ids: torch.Tensor, image_token: int) -> int:
+    """How many images `ids` hold: runs of the placeholder id. Not the start tokens: a random model samples any id,
+    and a sampled vision-start token opens no image."""
+    pads = ids == image_token
+    return int(pads[0]) + int((pads[1:] & ~pads[:-1]).sum())
+
+
 def _first_images(fields: dict[str, Any], count: int) -> tuple[torch.Tensor, ...] | None:
     """The pixels and grid of a row's first `count` images (its processor outputs), or None if it has fewer."""
     if not count:
@@ -176,10 +183,7 @@ class TurnCache:
             new = full_ids[:, cached:]
             if images_per_row[row] and (start_token is None or image_token is None):
                 return None  # the families whose images open with a start token (Qwen-VL, GLM-4V): tested here
-            # An image is a run of its placeholder ids; a sampled vision-start token (a random model samples any id)
-            # opens no image, so the starts are not counted
-            pads = new[0] == (image_token if image_token is not None else -1)
-            new_images = int(pads[0]) + int((pads[1:] & ~pads[:-1]).sum())
+            new_images = _image_runs(new[0], image_token) if images_per_row[row] else 0
             if new_images and "image_grid_thw" not in full_kwargs:
                 return None
             kwargs = {"attention_mask": torch.ones(1, len(ids), dtype=torch.long, device=device)}

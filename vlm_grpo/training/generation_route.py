@@ -105,6 +105,11 @@ def _on_any_rank(flag: bool, device: torch.device) -> bool:
     return bool(value.item())
 
 
+def _has_tools(trainer: Any) -> bool:
+    """Whether `trainer` rolls out through TRL's tool loop (tools, or an environment's)."""
+    return bool(getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None))
+
+
 def make_generator(trainer: Any) -> FastGenerator:
     """The fast generator `trainer`'s config asks for."""
     args = trainer.args
@@ -116,8 +121,7 @@ def make_generator(trainer: Any) -> FastGenerator:
         quantized=getattr(args, "fast_generation_quantized", "auto"),
         # Only tool loops have later turns to continue; never where weights are gathered afresh for each call (no
         # way to tell they are the same).
-        append_turns=bool(getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None))
-        and not gathered,
+        append_turns=_has_tools(trainer) and not gathered,
     )
 
 
@@ -178,7 +182,7 @@ def fast_generate(
     stats = generator.stats
     before = (stats["prefill_tokens"], stats["appended_rows"])
     out = _fast_generate(trainer, prompt_ids, images, multimodal_fields, has_tool_images)
-    if out is not None and (getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None)):
+    if out is not None and _has_tools(trainer):
         metrics = trainer._metrics[mode]
         metrics["fast_generation/prefill_tokens"].append(float(stats["prefill_tokens"] - before[0]))
         metrics["fast_generation/appended_rows"].append(float(stats["appended_rows"] - before[1]))

@@ -78,8 +78,8 @@ def refuse_frozen_model(model: Any) -> None:
         )
 
 
-def reference_on_host_under_fsdp(model: Any, args: Any, peft_config: Any) -> bool:
-    """Under FSDP, have TRL load a full fine-tune's KL reference with `device_map=None`; True where it was set.
+def reference_on_host_under_fsdp(model: Any, args: Any, peft_config: Any) -> None:
+    """Under FSDP, have TRL load a full fine-tune's KL reference with `device_map=None`.
 
     TRL builds that reference from `args.model_init_kwargs` and resets `device_map` to None only under DDP and
     DeepSpeed; under FSDP its default `"auto"` puts every rank's whole reference on the first GPUs (the 7B full
@@ -88,18 +88,17 @@ def reference_on_host_under_fsdp(model: Any, args: Any, peft_config: Any) -> boo
     from accelerate.utils import is_peft_model  # TRL's own test for "the adapters off serve as the reference"
 
     if getattr(args, "beta", 0.0) == 0.0 or peft_config is not None or is_peft_model(model):
-        return False  # no reference model, or the adapters switched off serve as it
+        return  # no reference model, or the adapters switched off serve as it
     # Before the trainer's Accelerator exists, FSDP shows only in the launcher's environment or the config's `fsdp`
     # (the state TRL reads says FSDP once the Accelerator is made, hence TRL's "auto").
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true" and not getattr(args, "fsdp", None):
-        return False
+        return
     init_kwargs = dict(args.model_init_kwargs or {})
     if "device_map" in init_kwargs:
-        return False
+        return
     args.model_init_kwargs = {**init_kwargs, "device_map": None}
     logger.warning("FSDP: TRL's KL reference loads on the host and is sharded to each rank (device_map=None); TRL's "
                 "note that model_init_kwargs is ignored is about the policy, which was already loaded.")  # fmt: skip
-    return True
 
 
 def _checked_datasets(train: Any, evaluation: Any, args: Any) -> tuple[Any, Any, dict[str, SkippedRows]]:
