@@ -326,7 +326,9 @@ def main() -> None:
         params = list(trainer.model_wrapped.parameters())
         record["resharded"] = all(type(p).__name__ == "DTensor" for p in params if p.requires_grad)
         record["whole_frozen"] = sum(type(p).__name__ != "DTensor" for p in params)
-    if not args.full and not args.stream_checks:  # the weights a vLLM sync sends, from the shards vs the gathered model
+    # The weights a vLLM sync sends, from the shards vs the gathered model. Not under ZeRO-3: there the sync is TRL's
+    # own gather (`vllm_rollouts` declines to merge partitioned weights, whose local tensors are empty).
+    if not args.full and not args.stream_checks and record["sharding"] != "zero3":
         record["vllm_sync"] = _vllm_sync_gap(trainer, full_weights)
     copy = trainer.generation_copy
     record["generation_copy"] = copy.stats()

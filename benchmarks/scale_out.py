@@ -163,7 +163,9 @@ def _row(name: str, result: dict) -> str:
     r = ranks[0]
     times = r["step_time_s"][1:] or r["step_time_s"]  # step 1 pays compilation / warm-up
     peaks = ", ".join(f"{x['peak_gib']:.1f}" for x in ranks if x.get("peak_gib") is not None)
-    same = len({x["checksum"] for x in ranks}) == 1
+    # a check after training that failed leaves no checksum: the row keeps the training's numbers and says so
+    checked = all("checksum" in x for x in ranks)
+    same = len({x["checksum"] for x in ranks}) == 1 if checked else f"check failed (rc {result.get('rc')})"
     lora = r.get("lora_b") or {}
     return (f"| {name} | {r['sharding'] or 'ddp'} | {r['steps']} | {sum(times) / len(times):.2f} | {peaks} | "
             f"{same} | {lora.get('vision_moved', '-')}/{lora.get('vision_total', '-')} + "

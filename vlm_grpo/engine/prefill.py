@@ -139,7 +139,7 @@ class TurnCache:
                 last["rows"].get(tuple(ids[:length]), []) if length < len(ids) else []
             ):
                 mine = _first_images(row_fields, images)
-                if mine is not None and all(torch.equal(a, b) for a, b in zip(mine, vision, strict=True)):
+                if mine is not None and all(torch.equal(a.to(b.device), b) for a, b in zip(mine, vision, strict=True)):
                     return row, prompt_len, length
         return None
 
