@@ -18,6 +18,8 @@ def summary(run: dict, args) -> dict:
     med["peak_gib"] = max(r["peak_gib"] for r in run["steps"])
     med["warmup_s"] = run["steps"][0]["total_s"]
     med["ms_per_token"] = 1000 * med["generation_s"] / args.completion_length  # prefill included: an upper bound
+    peak_step = max(run["steps"], key=lambda r: r["peak_gib"])
+    med["peak_phases_gib"] = peak_step.get("peak_phases_gib") or {}  # the peakiest step's peak by phase
     med["graphs"] = run.get("compiled_graphs", 0)
     med["steps"] = len(run["steps"])
     return med
@@ -65,6 +67,11 @@ def markdown(summaries: dict, args, env: dict, variants: dict) -> str:
                     "peak_gib",
                 )
                 lines.append(f"| ratio {mine} / {base} | " + " | ".join(ratio(ours[k], b[k]) for k in keys) + " | | |")
+    if any(s["peak_phases_gib"] for s in summaries.values()):  # where each trainer's peak falls
+        lines += ["", "| trainer | peak GiB in generation | in scoring | in training |", "|---|---|---|---|"]
+        for name, s in summaries.items():
+            p = s["peak_phases_gib"]
+            lines.append(f"| {name} | " + " | ".join(f"{p[k]:.1f}" if k in p else "" for k in ("generation", "scoring", "training")) + " |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -17,6 +17,18 @@ def sync_time() -> float:
     return time.perf_counter()
 
 
+def take_peak() -> float:
+    """GiB allocated at the peak since the last call (or the step's start), the peak counter then reset: one phase's
+    peak, so that the step's peak is told by phase (generation, scoring, training)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0.0
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    return peak
+
+
 def timed(base):
     """Subclass of a GRPO trainer that times generation and scoring, and whole steps, with CUDA syncs."""
 
@@ -28,6 +40,7 @@ def timed(base):
             with record_function("step.generation"):
                 out = super()._generate(prompts)
             self._bench_generation += sync_time() - start
+            self._bench_peaks["generation"] = max(self._bench_peaks.get("generation", 0.0), take_peak())
             return out
 
         def _generate_and_score_completions(self, inputs):
@@ -36,6 +49,7 @@ def timed(base):
             with record_function("step.rollout"):
                 out = super()._generate_and_score_completions(inputs)
             self._bench_scoring += (sync_time() - start) - (self._bench_generation - before)
+            self._bench_peaks["scoring"] = max(self._bench_peaks.get("scoring", 0.0), take_peak())
             return out
 
         def _get_per_token_logps_and_entropies(self, *args, **kwargs):
@@ -64,6 +78,7 @@ def step_timer(records: list, args_profile_step: int = 0):
         def on_step_begin(self, args, state, control, **kwargs):
             t = self.trainer
             t._bench_generation = t._bench_scoring = 0.0
+            t._bench_peaks = {}
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             self.start = sync_time()
@@ -81,7 +96,9 @@ def step_timer(records: list, args_profile_step: int = 0):
             records.append({
                 "step": state.global_step, "total_s": total, "profiled": 0 < args_profile_step <= state.global_step, "generation_s": t._bench_generation,
                 "scoring_s": t._bench_scoring, "training_s": total - t._bench_generation - t._bench_scoring,
-                "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
             })  # fmt: skip
+            # The step's peak, and each phase's (a phase's peak counter is reset when it ends)
+            phases = {**t._bench_peaks, "training": take_peak()}
+            records[-1].update(peak_gib=max(phases.values()), peak_phases_gib=phases)
 
     return StepTimer()

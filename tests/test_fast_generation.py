@@ -196,6 +196,24 @@ def test_compiled_decode_matches_and_one_graph_serves_several_prompt_lengths(tin
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+def test_turns_that_grow_decode_in_the_kept_longer_cache_with_the_same_tokens(tiny_dir, tmp_path):
+    # Three prompt lengths a bucket apart, in growing order twice, like a tool rollout's turns in two steps: with one
+    # cache per length, at most two kept, each call evicted the cache (and CUDA graph) the next one needed.
+    trainer = _trainer(tiny_dir, tmp_path, generations=2)
+    generator = trainer.fast_generator
+    generator.cache_bucket = 4  # the tiny prompts' lengths (+ 8 new tokens) fall in different buckets
+    batches = [_batch(trainer, [row], 2) for row in (ROWS[1], ROWS[0], ROWS[2])]
+    needed = [-(-(len(batch[0][0]) + 8) // 4) for batch in batches]
+    assert needed == sorted(needed) and len(set(needed)) == 3, needed
+    for batch in batches:
+        assert _fast(trainer, batch) == _plain(trainer, batch, 2)
+    kept = {key: id(cache) for key, cache in generator._decode_caches.caches.items()}
+    assert len(kept) == 2
+    for batch in batches:  # the second "step": every call fits a kept cache, so nothing is allocated
+        assert _fast(trainer, batch) == _plain(trainer, batch, 2)
+    assert {key: id(cache) for key, cache in generator._decode_caches.caches.items()} == kept
+
+
 # ----- clips (Qwen-VL): the same tokens as the plain path, clips' temporal positions included -----
 
 VIDEO_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"]

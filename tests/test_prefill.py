@@ -138,3 +138,60 @@ def test_after_an_optimizer_step_the_turns_continue_caches_of_the_new_weights(ti
     replied = second["completion_mask"].bool() & second["tool_mask"].bool()
     replied &= (second["tool_mask"] == 0).cumsum(1) > 0
     assert replied.any() and float((second["scored"] - second["sampling_per_token_logps"]).abs()[replied].max()) < 1e-5
+
+
+def test_one_forward_appends_rows_of_different_lengths_as_a_full_prefill_would(tiny_dir):
+    """Rows of a tool turn differ: cached prompts of different lengths (one with an image, one text only) and new
+    tokens of different lengths (one with the tool's image, one without). `_append_forward` pads both inside one
+    batch; each row's logits and cache are what a full prefill of its whole conversation gives."""
+    import numpy as np
+    from PIL import Image
+
+    from vlm_grpo.engine.prefill import _append_forward, _Appended, full_prefill
+    from vlm_grpo.media.batch_layout import left_padded
+    from vlm_grpo.private_api import generation_position_ids
+
+    model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"), dtype=torch.float32)
+    model.eval()
+    images = [Image.fromarray(np.random.default_rng(s).integers(0, 256, (56, 84, 3), dtype=np.uint8)) for s in (0, 1)]
+    image = "<|vision_start|><|image_pad|><|vision_end|>"
+
+    def encoded(text, row_images):
+        out = processor(text=[text], images=row_images or None, return_tensors="pt")
+        fields = {k: out[k] for k in ("pixel_values", "image_grid_thw") if k in out}
+        return out["input_ids"][0].tolist(), fields
+
+    # (cached text, its images, appended text, its image): the appended image is the row's last
+    rows = [(image + "what is it?", images[:1], "<|im_end|>tool says" + image + "so", images[1:]),
+            ("a much longer prompt with no image in it at all, and more words", [], " ok", [])]  # fmt: skip
+    cached = [encoded(c, ci) for c, ci, _, _ in rows]
+    added = [encoded(a, ai) for _, _, a, ai in rows]
+    whole = [(c + a, {k: torch.cat([cf[k], af[k]]) if k in cf else af[k] for k in af} | {k: v for k, v in cf.items() if k not in af})
+             for (c, cf), (a, af) in zip(cached, added, strict=True)]  # fmt: skip
+    assert len({len(ids) for ids, _ in cached}) == 2 and len({len(ids) for ids, _ in added}) == 2
+
+    def merged(parts):
+        fields = [f for _, f in parts if f]
+        return {k: torch.cat([f[k] for f in fields]) for k in fields[0]}
+
+    pad, device = processor.tokenizer.pad_token_id, torch.device("cpu")
+    with torch.no_grad():
+        width = max(len(ids) for ids, _ in cached)
+        kept = full_prefill(model, [ids for ids, _ in cached], merged(cached), width, pad, device).cache
+        appended = []
+        for r, ((ids, _), (full, fields), (_, new_fields)) in enumerate(zip(cached, whole, added, strict=True)):
+            full_ids, kwargs = left_padded([full], fields, len(full), pad, device)
+            position = generation_position_ids(model, full_ids, kwargs)
+            vision = (new_fields["pixel_values"], new_fields["image_grid_thw"]) if new_fields else None
+            appended.append(_Appended(r, slice(width - len(ids), width), full_ids[0, len(ids) :], position[..., len(ids) :], {}, vision))  # fmt: skip
+        full_width = max(len(full) for full, _ in whole)
+        cache, logits = _append_forward(model, kept, appended, full_width, pad)
+        reference = full_prefill(model, [full for full, _ in whole], merged(whole), full_width, pad, device)
+    assert torch.allclose(logits, reference.logits, atol=1e-4)
+    for r, (full, _) in enumerate(whole):  # every row's slots, and the zeros left of them
+        for ours, theirs in ((cache.layers[0].keys, reference.cache.layers[0].keys),
+                             (cache.layers[-1].values, reference.cache.layers[-1].values)):  # fmt: skip
+            assert torch.allclose(
+                ours[r, :, full_width - len(full) :], theirs[r, :, full_width - len(full) :], atol=1e-4
+            )
+            assert not ours[r, :, : full_width - len(full)].any()

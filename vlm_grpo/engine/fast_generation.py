@@ -268,7 +268,7 @@ class FastGenerator:
         batch = len(prompt_ids)
 
         width = max(len(ids) for ids in prompt_ids)
-        cache_len = -(-(width + max_new) // self.cache_bucket) * self.cache_bucket
+        cache_len = self._decode_caches.fitting_length(batch, width + max_new, self.cache_bucket)
         text_config = _text_config(model)
         window = getattr(text_config, "sliding_window", None)
         sliding = window is not None and "sliding_attention" in (getattr(text_config, "layer_types", None) or [])

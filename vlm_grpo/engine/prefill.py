@@ -7,6 +7,9 @@ prompt's image through the vision tower and recomputes every token the previous 
 `TurnCache` keeps that call's static cache and, for each row whose new prompt extends one of its rows (the same ids,
 with the same trainable weights), copies that row's keys and values out and prefills only the new tokens: the
 completion's end-of-turn token, the tool's reply and its new image, whose vision features alone are computed.
+All rows append in one forward (`_append_forward`), each padded where its cached tokens and its new tokens are
+shorter than the longest, and the result is gathered back to the left-padded layout a full prefill leaves: one
+forward per row had cost one launch-bound pass of the whole model per rollout per turn.
 Positions come from the model over the whole conversation, so Qwen's 3-D rotary positions continue past the new image
 exactly as a full prefill gives them; the new image's pixels are the last of the row's.
 
@@ -170,47 +173,102 @@ class TurnCache:
         matches = [self._match(ids, row_fields) for ids, row_fields in zip(prompt_ids, per_row, strict=True)]
         if any(match is None for match in matches):
             return None
-        from transformers import DynamicCache
 
         last, start_token = self._last, getattr(model.config, "vision_start_token_id", None)
         image_token = getattr(model.config, "image_token_id", None)
         width = max(len(ids) for ids in prompt_ids)
-        layers = len(last["cache"].layers)
-        keys, values, logits, positions, prefilled = [[] for _ in range(layers)], [[] for _ in range(layers)], [], [], 0
+        rows, positions = [], []
         for row, (ids, (old, prompt_len, cached)) in enumerate(zip(prompt_ids, matches, strict=True)):
             full_ids, full_kwargs = left_padded([ids], per_row[row], len(ids), pad_id, device)
             position = generation_position_ids(model, full_ids, full_kwargs)  # the whole conversation's positions
-            new = full_ids[:, cached:]
+            new = full_ids[0, cached:]
             if images_per_row[row] and (start_token is None or image_token is None):
                 return None  # the families whose images open with a start token (Qwen-VL, GLM-4V): tested here
-            new_images = _image_runs(new[0], image_token) if images_per_row[row] else 0
+            new_images = _image_runs(new, image_token) if images_per_row[row] else 0
             if new_images and "image_grid_thw" not in full_kwargs:
                 return None
-            kwargs = {"attention_mask": torch.ones(1, len(ids), dtype=torch.long, device=device)}
-            for name, value in full_kwargs.items():
-                if name in _PER_TOKEN:
-                    kwargs[name] = value[:, cached:]
+            vision = None
             if new_images:  # the new images are the row's last ones: their patches the last of its pixel values
                 grid = full_kwargs["image_grid_thw"][-new_images:]
-                kwargs["image_grid_thw"] = grid
-                kwargs["pixel_values"] = full_kwargs["pixel_values"][-int(grid.prod(-1).sum()) :]
-            past = DynamicCache(config=model.config)
-            old_width = last["width"]
-            span = slice(old_width - prompt_len, old_width - prompt_len + cached)  # the row's prompt, then completion
-            for index, layer in enumerate(last["cache"].layers):
-                past.update(layer.keys[old : old + 1, :, span], layer.values[old : old + 1, :, span], index)
-            kwargs[cache_kwarg(model)] = past
-            out = model(input_ids=new, position_ids=position[..., cached:], use_cache=True, logits_to_keep=1, **kwargs)
-            prefilled += new.shape[1]
-            pad = width - len(ids)
-            for index, layer in enumerate(past.layers):  # left-padded to the call's width, as a full prefill is
-                keys[index].append(nn.functional.pad(layer.keys, (0, 0, pad, 0)))
-                values[index].append(nn.functional.pad(layer.values, (0, 0, pad, 0)))
-            logits.append(out.logits[:, -1])
-            positions.append(nn.functional.pad(position, (pad, 0), value=1))
-        cache = DynamicCache(config=model.config)
-        for index in range(layers):
-            cache.update(torch.cat(keys[index]), torch.cat(values[index]), index)
+                vision = (full_kwargs["pixel_values"][-int(grid.prod(-1).sum()) :], grid)
+            per_token = {name: value[0, cached:] for name, value in full_kwargs.items() if name in _PER_TOKEN}
+            span = slice(last["width"] - prompt_len, last["width"] - prompt_len + cached)  # prompt, then completion
+            rows.append(_Appended(old, span, new, position[..., cached:], per_token, vision))
+            positions.append(nn.functional.pad(position, (width - len(ids), 0), value=1))
+        cache, logits = _append_forward(model, last["cache"], rows, width, pad_id)
         input_ids, kwargs = left_padded(prompt_ids, {}, width, pad_id, device)
-        return Prefill(cache, torch.cat(logits), input_ids, kwargs["attention_mask"],
-                               torch.cat(positions, dim=-2), prefilled)  # fmt: skip
+        return Prefill(cache, logits, input_ids, kwargs["attention_mask"], torch.cat(positions, dim=-2),
+                       sum(len(row.new) for row in rows))  # fmt: skip
+
+
+@dataclass
+class _Appended:
+    """One row of a tool turn: the kept row it continues and what it appends."""
+
+    old: int  # the kept cache's row
+    span: slice  # that row's cached tokens in the kept cache (its prompt, then its completion)
+    new: torch.Tensor  # [new tokens]: the ids to prefill
+    positions: torch.Tensor  # [..., 1, new tokens]: their position ids
+    per_token: dict[str, torch.Tensor]  # per-token fields (mm_token_type_ids), [new tokens] each
+    vision: tuple[torch.Tensor, torch.Tensor] | None  # the new images' pixel values and grid
+
+
+def _length(row: _Appended) -> int:
+    return row.span.stop - row.span.start
+
+
+def _left_padded_rows(kept: torch.Tensor, rows: list[_Appended], length: int) -> torch.Tensor:
+    """Each row's cached slots of `kept` ([rows, heads, slots, dim]) left-padded with zeros to `length`."""
+    return torch.cat(
+        [nn.functional.pad(kept[r.old : r.old + 1, :, r.span], (0, 0, length - _length(r), 0)) for r in rows]
+    )
+
+
+def _append_forward(model: nn.Module, kept: Any, rows: list[_Appended], width: int, pad_id: int) -> tuple[Any, Any]:
+    """One forward for every row's new tokens on its cached keys and values: `(cache, logits)`, the cache holding
+    each row's whole conversation left-padded to `width`, as a full prefill leaves it, and each row's last logits.
+
+    Row r is laid out `[pad | cached_r | pad | new_r]` (cached tokens left-padded to the longest, new tokens too): the
+    attention mask hides both pads, the position ids are the row's own, so each row attends to exactly what it would
+    alone. The result is gathered back to `[pad | cached_r new_r]`."""
+    from transformers import DynamicCache
+
+    device = rows[0].new.device
+    past_len, new_len = max(_length(row) for row in rows), max(len(row.new) for row in rows)
+    input_ids = torch.full((len(rows), new_len), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(rows), past_len + new_len), dtype=torch.long, device=device)
+    per_token = {name: torch.zeros_like(input_ids) for name in rows[0].per_token}
+    positions = []
+    for r, row in enumerate(rows):
+        cached, appended = _length(row), len(row.new)
+        input_ids[r, new_len - appended :] = row.new
+        mask[r, past_len - cached : past_len] = mask[r, past_len + new_len - appended :] = 1
+        for name, value in row.per_token.items():
+            per_token[name][r, new_len - appended :] = value
+        positions.append(nn.functional.pad(row.positions, (new_len - appended, 0), value=1))
+    past = DynamicCache(config=model.config)
+    for index, layer in enumerate(kept.layers):
+        keys, values = (_left_padded_rows(t, rows, past_len) for t in (layer.keys, layer.values))
+        past.update(keys, values, index)
+    vision = [row.vision for row in rows if row.vision is not None]
+    kwargs = {}
+    if vision:
+        kwargs = {
+            "pixel_values": torch.cat([v[0] for v in vision]),
+            "image_grid_thw": torch.cat([v[1] for v in vision]),
+        }
+    out = model(input_ids=input_ids, position_ids=torch.cat(positions, dim=-2), attention_mask=mask, use_cache=True,
+                logits_to_keep=1, **{cache_kwarg(model): past}, **per_token, **kwargs)  # fmt: skip
+    # Each row's valid slots, in order, left-padded to `width`: slot i of row r reads source slot index[r, i].
+    valid = mask.bool()
+    lengths = valid.sum(1)
+    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)  # the valid slots first, in order
+    slot = torch.arange(width, device=device) - (width - lengths)[:, None]  # -k: the k-th left pad
+    index = order.gather(1, slot.clamp(min=0))
+    keep = (slot >= 0)[:, None, :, None]
+    cache = DynamicCache(config=model.config)
+    for layer_index, layer in enumerate(past.layers):
+        gathered = [t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])) * keep
+                    for t in (layer.keys, layer.values)]  # fmt: skip
+        cache.update(*gathered, layer_index)
+    return cache, out.logits[:, -1]
