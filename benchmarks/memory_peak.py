@@ -5,6 +5,10 @@ one step this replays the trace, finds the moment the most memory was allocated,
 the innermost frame in our code, TRL, transformers or peft (`owner`), beside what was already allocated when the step
 began (weights, optimizer state, caches kept across steps). Issue #49 asks where Qwen3.5's extra 8 GiB over TRL goes;
 this is the table that says.
+
+On torch 2.11 the recorder crashes a compiled block's backward under activation checkpointing (pytorch/pytorch#179536:
+`SystemError: ... returned NULL without setting an exception`), which is how vlm-grpo trains: there, read
+`grpo_step.py`'s peak by phase instead, or record with `compile_layers` off.
 """
 
 from __future__ import annotations
