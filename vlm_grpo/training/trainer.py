@@ -69,6 +69,7 @@ from ..engine.vllm_sampling import vllm_sampling
 from ..families import core_model, find_family
 from ..files import CheckpointModesCallback
 from ..integrations.unsloth import maybe_patch_for_model
+from ..media.images_once import images_processed_once
 from ..media.processing import VISION_ROWS, holds_clips, tokenize_clip_prompts, tokenize_distinct
 from ..models.hooks import enable_requires_grad_hooks, replace_stale_input_grads_hooks
 from ..models.model_card import complete_model_card
@@ -289,9 +290,9 @@ class VLMGRPOTrainer(GRPOTrainer):
         inputs = [prepare_row(row, self.pixel_budget, self.video_budget, memo, keep_sources=tools) for row in inputs]
         inputs = add_image_sizes(inputs, self.processing_class)  # grounding rewards map boxes back
         self._vision_rows = None  # set by `_tokenize_prompts` for a batch with clips
-        try:
-            # TRL's step reads transformers' old checkpointing name.
-            with quiet_third_party_checkpointing_deprecations(), sampled_as_vllm(self):
+        try:  # TRL's step reads transformers' old checkpointing name; its tool loop processes each image every turn
+            with (quiet_third_party_checkpointing_deprecations(), sampled_as_vllm(self),
+                  images_processed_once(self.processing_class, tools or bool(self.tools))):  # fmt: skip
                 output = super()._generate_and_score_completions(inputs)
             log_masked_sequences(self, output)  # a batch TRL's importance-sampling mask zeroed whole is said
             if self._vision_rows is not None:
