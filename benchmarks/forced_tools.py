@@ -43,9 +43,15 @@ def tool_template(processor: Any, model: Any, tool_kwargs: dict[str, Any]) -> No
 
 
 def force_calls(trainer: Any, image_size: int) -> None:
-    """Make the trainer's tokenizer read every completion as a `crop` call of the image's top-left quarter."""
+    """Make the trainer's tokenizer read every completion as a `crop` call of the image's top-left quarter, in the
+    pixels the model sees (VLMGRPOTrainer's tools take boxes in the image after its pixel budget: the tiny model's
+    shrinks a 448² image, where a box in the original's pixels is refused as reaching outside)."""
+    from PIL import Image
+
     tokenizer = trainer._tokenizer
-    half = image_size // 2
+    budget = getattr(trainer, "pixel_budget", None)
+    seen = budget.fit(Image.new("RGB", (image_size, image_size))).size if budget is not None else (image_size,) * 2
+    half = min(seen) // 2
 
     def parse_response(ids: list[int], prefix: Any = None, tools: Any = None) -> dict[str, Any]:
         call = {
