@@ -214,6 +214,33 @@ def test_turns_that_grow_decode_in_the_kept_longer_cache_with_the_same_tokens(ti
     assert {key: id(cache) for key, cache in generator._decode_caches.caches.items()} == kept
 
 
+def test_with_turn_headroom_every_turn_decodes_in_the_first_turns_cache(tiny_dir, tmp_path):
+    # A tool trainer's generator keeps TRL's completion budget free beyond the first turn: the later, longer turns
+    # fit the first turn's cache, so one cache (one compiled graph, one recording) serves the whole rollout.
+    trainer = _trainer(tiny_dir, tmp_path, generations=2)
+    generator = trainer.fast_generator
+    generator.cache_bucket, generator.turn_headroom = 4, 16
+    batches = [_batch(trainer, [row], 2) for row in (ROWS[1], ROWS[0], ROWS[2])]
+    assert len(batches[2][0][0]) - len(batches[0][0][0]) <= 16  # the turns' growth fits the headroom
+    for batch in batches:
+        assert _fast(trainer, batch) == _plain(trainer, batch, 2)
+    assert len(generator._decode_caches.caches) == 1
+
+
+@pytest.mark.filterwarnings("ignore:You are using 'environment_factory':UserWarning")
+def test_a_tool_trainer_keeps_its_completion_budget_as_headroom(tiny_dir, tmp_path):
+    from vlm_grpo.tools import image_tools
+
+    model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen3_vl", tools=True))
+    model = FastVisionModel.get_peft_model(model, r=4)
+    args = VLMGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
+                         max_completion_length=160, report_to="none", use_cpu=True)  # fmt: skip
+    with_tools = VLMGRPOTrainer(model, [_zero_reward], args=args, train_dataset=Dataset.from_list(ROWS),
+                                processing_class=processor, environment_factory=image_tools("zoom"))  # fmt: skip
+    assert with_tools.fast_generator.turn_headroom == 160
+    assert _trainer(tiny_dir, tmp_path).fast_generator.turn_headroom == 0  # one turn: no headroom
+
+
 # ----- clips (Qwen-VL): the same tokens as the plain path, clips' temporal positions included -----
 
 VIDEO_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"]

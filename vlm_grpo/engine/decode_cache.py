@@ -37,11 +37,11 @@ class DecodeCaches:
         for old in list(kept)[: max(len(kept) - self.keep + 1, 0)]:
             self.graphs.forget(kept.pop(old))
 
-    def fitting_length(self, batch: int, needed: int, bucket: int) -> int:
+    def fitting_length(self, batch: int, needed: int, bucket: int, headroom: int = 0) -> int:
         """The cache length to decode `batch` rows needing `needed` slots in: the shortest kept cache of that batch
-        that holds them, else `needed` rounded up to a multiple of `bucket` (a new cache)."""
+        that holds them, else `needed + headroom` rounded up to a multiple of `bucket` (a new cache)."""
         kept = [length for b, length in self.caches if b == batch and length >= needed]
-        return min(kept, default=-(-needed // bucket) * bucket)
+        return min(kept, default=-(-(needed + headroom) // bucket) * bucket)
 
     def get(self, model: nn.Module, batch: int, cache_len: int) -> Any:
         """An empty static cache for (batch, cache_len): the one kept for that shape, reset, or a new one. The one

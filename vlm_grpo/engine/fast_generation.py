@@ -13,14 +13,13 @@ min_new_tokens) and its position rules, and changes four things:
    compiles once per (batch size, cache bucket) and a token costs one graph launch. The q/k/v projections run as
    one GEMM over stacked merged weights (`engine.fused_projections`), and grouped-query attention reads the cache
    in place (`engine.decode_attention`).
-3. Optionally, LoRA is merged into the base weights while generating (one matmul per projection instead
-   of three) and the original weights are copied back afterwards, bit for bit (`engine.lora_merge`; the copies
-   can overlap the trainer's next forward).
+3. Optionally, LoRA is merged into the base weights while generating (one matmul per projection, not three), the
+   originals copied back after, bit for bit (`engine.lora_merge`; the copies can overlap the next forward).
 4. bitsandbytes 4-bit / 8-bit layers, which cannot be compiled, are replaced for the call by plain stand-ins
-   (`vlm_grpo.engine.quantized_generation`), so QLoRA models take this path too.
+   (`engine.quantized_generation`): QLoRA models take this path too.
 
-Everything else (EOS and pad handling, the mask after EOS) is what `generate` does, so the plain path and
-this one give the same tokens under greedy decoding and the same per-token distributions when sampling.
+Everything else (EOS and pad handling, the mask after EOS) is what `generate` does: the same tokens under greedy
+decoding and the same per-token distributions when sampling as the plain path.
 """
 
 from __future__ import annotations
@@ -109,6 +108,8 @@ class FastGenerator:
             from the host while the next forward runs rather than before it.
         append_turns: a row that extends a row of the previous call (a tool turn) prefills only its new tokens on that
             call's cache (`engine.prefill.TurnCache`), where the model's cache allows it.
+        turn_headroom: cache slots beyond a call's need, for a tool rollout's later turns (TRL's completion budget):
+            every turn then decodes in the first turn's cache, compiled and recorded once, not once per turn.
     """
 
     compile: bool | None = None
@@ -122,13 +123,12 @@ class FastGenerator:
     sample_in_graph: bool = True
     overlap_restore: bool = True
     append_turns: bool = True
+    turn_headroom: int = 0
     stats: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STATS, 0))
     _compiled_call: Any = field(default=None, repr=False)
     _compiled_mode: str | None = field(default=None, repr=False)
     _graphs: DecodeGraphs = field(default_factory=DecodeGraphs, repr=False)
-    _decode_caches: DecodeCaches = field(
-        default=None, repr=False
-    )  # built with the graphs it tells about dropped caches
+    _decode_caches: DecodeCaches = field(default=None, repr=False)  # built with the graphs it tells of dropped caches
     _quantized_layers: QuantizedLayers | None = field(default=None, repr=False)
     _quantized_model: int | None = field(default=None, repr=False)
     _backup: BaseWeightBackup | None = field(default=None, repr=False)
@@ -268,7 +268,7 @@ class FastGenerator:
         batch = len(prompt_ids)
 
         width = max(len(ids) for ids in prompt_ids)
-        cache_len = self._decode_caches.fitting_length(batch, width + max_new, self.cache_bucket)
+        cache_len = self._decode_caches.fitting_length(batch, width + max_new, self.cache_bucket, self.turn_headroom)
         text_config = _text_config(model)
         window = getattr(text_config, "sliding_window", None)
         sliding = window is not None and "sliding_attention" in (getattr(text_config, "layer_types", None) or [])

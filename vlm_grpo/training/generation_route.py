@@ -122,6 +122,7 @@ def make_generator(trainer: Any) -> FastGenerator:
         # Only tool loops have later turns to continue; never where weights are gathered afresh for each call (no
         # way to tell they are the same).
         append_turns=_has_tools(trainer) and not gathered,
+        turn_headroom=args.max_completion_length if _has_tools(trainer) else 0,  # later turns fit the first's cache
     )
 
 
