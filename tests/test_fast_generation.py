@@ -217,14 +217,18 @@ def test_turns_that_grow_decode_in_the_kept_longer_cache_with_the_same_tokens(ti
 def test_with_turn_headroom_every_turn_decodes_in_the_first_turns_cache(tiny_dir, tmp_path):
     # A tool trainer's generator keeps TRL's completion budget free beyond the first turn: the later, longer turns
     # fit the first turn's cache, so one cache (one compiled graph, one recording) serves the whole rollout.
+    import torch._dynamo.utils
+
     trainer = _trainer(tiny_dir, tmp_path, generations=2)
     generator = trainer.fast_generator
-    generator.cache_bucket, generator.turn_headroom = 4, 16
+    generator.cache_bucket, generator.turn_headroom, generator.compile = 4, 16, True
+    torch._dynamo.reset()
     batches = [_batch(trainer, [row], 2) for row in (ROWS[1], ROWS[0], ROWS[2])]
     assert len(batches[2][0][0]) - len(batches[0][0][0]) <= 16  # the turns' growth fits the headroom
     for batch in batches:
         assert _fast(trainer, batch) == _plain(trainer, batch, 2)
     assert len(generator._decode_caches.caches) == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # the decode step compiled once
 
 
 @pytest.mark.filterwarnings("ignore:You are using 'environment_factory':UserWarning")
