@@ -1,0 +1,118 @@
+"""First-step time with no compile cache anywhere, then with the cache the first run left: one invocation, one table.
+
+    python benchmarks/cold_start.py --model qwen2.5-vl-3b --out /tmp/cold              # 3B 2x8, beside TRL
+    python benchmarks/cold_start.py --model qwen3.5-4b --out /tmp/cold-q35
+    python benchmarks/cold_start.py --model tiny --out /tmp/cold-tiny                  # the CPU smoke run
+
+Issue #48 asks for a first step of <= 30 s on a fresh machine and <= 10 s with the cache of an earlier process. A
+machine is fresh for this when every cache a compilation reads is empty: Inductor's (`TORCHINDUCTOR_CACHE_DIR`),
+Triton's (`TRITON_CACHE_DIR`), CUDA's JIT cache (`CUDA_CACHE_PATH`) and vlm-grpo's portable compile cache
+(`VLM_GRPO_CACHE`). Each run here is a `grpo_step.py` invocation (its workers are fresh processes) with those four
+pointed at folders under `--out`:
+
+1. `fresh`: the folders new and empty; vlm-grpo, then TRL (which compiles nothing, so its first step is its own).
+2. `cached`: a new process on the folders run 1 filled (what a second job on the machine, or a resumed one that
+   carries `checkpoint-N/compile_cache/`, finds).
+
+The table gives each run's first step split into generation, scoring and training (where compilation lands: the
+decode step in generation, the training layers in training), the model load, and one later step for scale.
+Results: `<out>/cold_start.json` and `<out>/cold_start.md`; each run's own report under `<out>/<run>/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CACHES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton", "CUDA_CACHE_PATH": "cuda",
+          "VLM_GRPO_CACHE": "vlm_grpo"}  # fmt: skip
+
+
+def _run(name: str, trainers: str, args: argparse.Namespace, forwarded: list[str]) -> dict:
+    """One `grpo_step.py` invocation with the caches under `<out>/caches`; its results.json, and its wall time."""
+    out = os.path.join(args.out, name)
+    env = dict(os.environ)
+    for variable, folder in CACHES.items():
+        env[variable] = os.path.join(args.out, "caches", folder)
+        os.makedirs(env[variable], exist_ok=True)
+    cmd = [sys.executable, os.path.join(HERE, "grpo_step.py"), "--model", args.model, "--trainers", trainers,
+           "--steps", "2", "--steps_trl", "2", "--rounds", "1", "--out", out, *forwarded]  # fmt: skip
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    print(f"[{name}] exit {proc.returncode} in {time.perf_counter() - start:.0f} s", flush=True)
+    if proc.returncode != 0:
+        print(proc.stdout[-2000:], proc.stderr[-4000:], flush=True)
+    path = os.path.join(out, "results.json")
+    results = {"runs": {}, "failures": {}}
+    if os.path.exists(path):
+        with open(path) as f:
+            results = json.load(f)
+    return {"wall_s": time.perf_counter() - start, "rc": proc.returncode, "results": results}
+
+
+def rows(runs: dict) -> list[dict]:
+    """One row per (run, trainer): the first step's parts, the load, and the step after it."""
+    table = []
+    for name, run in runs.items():
+        for trainer, worker_runs in run["results"].get("runs", {}).items():
+            if not worker_runs:
+                continue
+            steps, worker = worker_runs[0]["steps"], worker_runs[0]
+            first = steps[0]
+            table.append({"run": name, "trainer": trainer, "first_s": first["total_s"],
+                          "generation_s": first["generation_s"], "scoring_s": first["scoring_s"],
+                          "training_s": first["training_s"], "load_s": worker.get("load_s"),
+                          "next_s": steps[1]["total_s"] if len(steps) > 1 else None,
+                          "compiled_graphs": worker.get("compiled_graphs")})  # fmt: skip
+        for trainer, why in run["results"].get("failures", {}).items():
+            table.append({"run": name, "trainer": trainer, "failed": why})
+    return table
+
+
+def markdown(table: list[dict], args: argparse.Namespace, env: dict | None) -> str:
+    head = (f"{args.model}, 2 prompts x 8 generations (grpo_step.py's defaults unless forwarded); "
+            f"GPU: {(env or {}).get('gpu', '?')}; torch {(env or {}).get('torch', '?')}")  # fmt: skip
+    lines = [head, "",
+             "| run | trainer | first step s | generation s | scoring s | training s | load s | next step s | compiled graphs |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in table:
+        if "failed" in r:
+            lines.append(f"| {r['run']} | {r['trainer']} | failed: {r['failed']} |")
+            continue
+        nxt = f"{r['next_s']:.2f}" if r["next_s"] is not None else ""
+        lines.append(f"| {r['run']} | {r['trainer']} | {r['first_s']:.1f} | {r['generation_s']:.1f} | "
+                     f"{r['scoring_s']:.1f} | {r['training_s']:.1f} | {r['load_s']:.1f} | {nxt} | "
+                     f"{r['compiled_graphs']} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="qwen2.5-vl-3b")
+    parser.add_argument("--out", required=True, help="a new folder: its caches/ must start empty for `fresh`")
+    parser.add_argument("--no_trl", action="store_true", help="leave TRL's first step out of the fresh run")
+    args, forwarded = parser.parse_known_args(argv)  # the rest goes to grpo_step.py (e.g. --image_size 896)
+    if os.path.isdir(os.path.join(args.out, "caches")) and any(
+        os.listdir(os.path.join(args.out, "caches", folder)) for folder in os.listdir(os.path.join(args.out, "caches"))
+    ):
+        raise SystemExit(f"{args.out}/caches is not empty, so the first run would not be fresh: give a new --out.")
+    runs = {"fresh": _run("fresh", "vlm-grpo" if args.no_trl else "vlm-grpo,trl", args, forwarded)}
+    runs["cached"] = _run("cached", "vlm-grpo", args, forwarded)
+    env = runs["fresh"]["results"].get("env")
+    table = rows(runs)
+    report = markdown(table, args, env)
+    with open(os.path.join(args.out, "cold_start.json"), "w") as f:
+        json.dump({"args": vars(args), "forwarded": forwarded, "env": env, "rows": table,
+                   "wall_s": {name: run["wall_s"] for name, run in runs.items()}}, f, indent=1)  # fmt: skip
+    with open(os.path.join(args.out, "cold_start.md"), "w") as f:
+        f.write(report)
+    print(report, flush=True)
+
+
+if __name__ == "__main__":
+    main()
