@@ -14,7 +14,7 @@ from vlm_grpo.engine.vision_attention import (
     uses_packed_attention,
 )
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 
 
 class CountAttention(TorchFunctionMode):
@@ -76,7 +76,7 @@ def test_the_vision_attention_classes_still_hand_a_flash_named_implementation_th
     import transformers
 
     found = 0
-    for module_name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
+    for module_name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):
         module = getattr(transformers.models, module_name)
         modeling = getattr(module, f"modeling_{module_name}")
         for cls_name in PACKED_VISION_ATTENTIONS:
@@ -86,7 +86,7 @@ def test_the_vision_attention_classes_still_hand_a_flash_named_implementation_th
             source = inspect.getsource(cls.forward)
             assert "is_flash_attention_requested" in source and "cu_seq_lens_q=cu_seqlens" in source, cls_name
             found += 1
-    assert found >= 4
+    assert found >= 6
 
 
 def test_packed_attention_refuses_calls_it_does_not_serve():

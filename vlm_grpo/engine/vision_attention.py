@@ -1,6 +1,6 @@
 """Qwen-VL vision attention in a few batched calls instead of one call per window.
 
-Qwen2-VL, Qwen2.5-VL and Qwen3-VL vision towers attend within chunks of patches: each image (full-attention layers)
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 vision towers attend within chunks of patches: each image (full-attention layers)
 or each 8x8-patch window (Qwen2.5-VL's windowed layers), given as `cu_seqlens`. With `sdpa`, transformers' vision
 attention splits the sequence and calls attention once per chunk, from Python: a 448² image is 16 windows, so a
 Qwen2.5-VL-3B vision pass over two images makes ~900 attention calls, and every prefill, scoring and training pass
@@ -42,6 +42,8 @@ PACKED_VISION_ATTENTIONS = (
     "Qwen2_5_VLVisionAttention",
     "Qwen3VLVisionAttention",
     "Qwen3VLMoeVisionAttention",
+    "Qwen3_5VisionAttention",
+    "Qwen3_5MoeVisionAttention",
 )
 
 
