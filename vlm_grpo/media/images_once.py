@@ -62,13 +62,14 @@ class _Memo:
     def __init__(self, image_processor: Any) -> None:
         self._inner = image_processor
         self._seen: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._plain = False  # its outputs are not per-image patches and grids: every call goes straight to it
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
     def __call__(self, images: Any = None, **kwargs: Any) -> Any:
         flat = _flat_images(images)
-        if flat is None or kwargs.get("return_tensors") != "pt":
+        if self._plain or flat is None or kwargs.get("return_tensors") != "pt":
             return self._inner(images, **kwargs)
         settings = tuple(sorted((name, repr(value)) for name, value in kwargs.items()))
         keys = [(_key(img), settings) for img in flat]
@@ -76,6 +77,7 @@ class _Memo:
         if missing:
             out = self._inner(list(missing.values()), **kwargs)
             if set(out.keys()) != _OUTPUTS:  # not per-image patches and grids: no memo for this processor
+                self._plain = True
                 return self._inner(images, **kwargs)
             sizes = out["image_grid_thw"].prod(-1).tolist()
             for key, pixels, grid in zip(missing, out["pixel_values"].split(sizes), out["image_grid_thw"], strict=True):
