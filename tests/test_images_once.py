@@ -60,3 +60,23 @@ def test_a_processor_without_per_image_grids_is_called_as_it_is(tiny_dir):
         assert processor.image_processor._plain
     expected = plain(images=images, return_tensors="pt")
     assert all(torch.equal(out["pixel_values"], expected["pixel_values"]) for out in outs)
+
+
+def test_palette_images_differing_only_in_palette_are_two_images_and_the_memo_copies(tiny_dir):
+    import copy
+    import pickle
+
+    _, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    plain = processor.image_processor
+    indices = Image.fromarray(np.random.default_rng(0).integers(0, 4, (56, 56), dtype=np.uint8), mode="P")
+    red, blue = indices.copy(), indices.copy()
+    red.putpalette([255, 0, 0, 0, 0, 0, 9, 9, 9, 50, 50, 50])
+    blue.putpalette([0, 0, 255, 0, 0, 0, 9, 9, 9, 50, 50, 50])
+    with images_processed_once(processor):
+        out = processor.image_processor(images=[red, blue], return_tensors="pt")
+        copy.deepcopy(processor.image_processor)  # a processor copied or pickled mid-batch (its repr, a save)
+        pickle.loads(pickle.dumps(processor.image_processor))
+    expected = plain(images=[red, blue], return_tensors="pt")
+    assert torch.equal(out["pixel_values"], expected["pixel_values"])
+    half = len(out["pixel_values"]) // 2
+    assert not torch.equal(out["pixel_values"][:half], out["pixel_values"][half:])

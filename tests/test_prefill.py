@@ -159,20 +159,26 @@ def test_one_forward_appends_rows_of_different_lengths_as_a_full_prefill_would(t
     def encoded(text, row_images):
         out = processor(text=[text], images=row_images or None, return_tensors="pt")
         fields = {k: out[k] for k in ("pixel_values", "image_grid_thw") if k in out}
-        return out["input_ids"][0].tolist(), fields
+        # per-token image marks, a list per row as TRL hands them: the 3-D rotary positions are read from them
+        return out["input_ids"][0].tolist(), fields | {"mm_token_type_ids": [out["mm_token_type_ids"][0].tolist()]}
 
     # (cached text, its images, appended text, its image): the appended image is the row's last
     rows = [(image + "what is it?", images[:1], "<|im_end|>tool says" + image + "so", images[1:]),
             ("a much longer prompt with no image in it at all, and more words", [], " ok", [])]  # fmt: skip
     cached = [encoded(c, ci) for c, ci, _, _ in rows]
     added = [encoded(a, ai) for _, _, a, ai in rows]
-    whole = [(c + a, {k: torch.cat([cf[k], af[k]]) if k in cf else af[k] for k in af} | {k: v for k, v in cf.items() if k not in af})
-             for (c, cf), (a, af) in zip(cached, added, strict=True)]  # fmt: skip
+
+    def joined(first, second):  # one row's fields over its cached then its appended tokens
+        out = {k: torch.cat([first[k], second[k]]) for k in first.keys() & second.keys() if k != "mm_token_type_ids"}
+        out |= {k: v for k, v in (*first.items(), *second.items()) if k not in first.keys() & second.keys()}
+        return out | {"mm_token_type_ids": [first["mm_token_type_ids"][0] + second["mm_token_type_ids"][0]]}
+
+    whole = [(c + a, joined(cf, af)) for (c, cf), (a, af) in zip(cached, added, strict=True)]
     assert len({len(ids) for ids, _ in cached}) == 2 and len({len(ids) for ids, _ in added}) == 2
 
-    def merged(parts):
-        fields = [f for _, f in parts if f]
-        return {k: torch.cat([f[k] for f in fields]) for k in fields[0]}
+    def merged(parts):  # the rows' fields as one call's
+        out = {k: torch.cat([f[k] for _, f in parts if k in f]) for k in ("pixel_values", "image_grid_thw")}
+        return out | {"mm_token_type_ids": [f["mm_token_type_ids"][0] for _, f in parts]}
 
     pad, device = processor.tokenizer.pad_token_id, torch.device("cpu")
     with torch.no_grad():
@@ -182,8 +188,13 @@ def test_one_forward_appends_rows_of_different_lengths_as_a_full_prefill_would(t
         for r, ((ids, _), (full, fields), (_, new_fields)) in enumerate(zip(cached, whole, added, strict=True)):
             full_ids, kwargs = left_padded([full], fields, len(full), pad, device)
             position = generation_position_ids(model, full_ids, kwargs)
-            vision = (new_fields["pixel_values"], new_fields["image_grid_thw"]) if new_fields else None
-            appended.append(_Appended(r, slice(width - len(ids), width), full_ids[0, len(ids) :], position[..., len(ids) :], {}, vision))  # fmt: skip
+            vision = (
+                (new_fields["pixel_values"], new_fields["image_grid_thw"]) if "pixel_values" in new_fields else None
+            )
+            marks = {"mm_token_type_ids": kwargs["mm_token_type_ids"][0, len(ids) :]}
+            appended.append(_Appended(r, slice(width - len(ids), width), full_ids[0, len(ids) :], position[..., len(ids) :], marks, vision))  # fmt: skip
+            if r == 0:  # 3-D positions: over the images, rows and columns differ
+                assert not torch.equal(position[1], position[2])
         full_width = max(len(full) for full, _ in whole)
         cache, logits = _append_forward(model, kept, appended, full_width, pad)
         reference = full_prefill(model, [full for full, _ in whole], merged(whole), full_width, pad, device)

@@ -183,7 +183,7 @@ class TurnCache:
             position = generation_position_ids(model, full_ids, full_kwargs)  # the whole conversation's positions
             new = full_ids[0, cached:]
             if images_per_row[row] and (start_token is None or image_token is None):
-                return None  # the families whose images open with a start token (Qwen-VL, GLM-4V): tested here
+                return None  # the families whose images open with a start token named so (Qwen-VL): tested here
             new_images = _image_runs(new, image_token) if images_per_row[row] else 0
             if new_images and "image_grid_thw" not in full_kwargs:
                 return None

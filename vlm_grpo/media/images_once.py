@@ -53,7 +53,11 @@ def _flat_images(images: Any) -> list[Any] | None:
 
 
 def _key(image: Any) -> tuple:
-    return image.mode, image.size, hashlib.blake2b(image.tobytes(), digest_size=16).digest()
+    # A palette image's bytes are indices: its palette and transparency are part of its pixels.
+    palette = image.getpalette() if image.mode in ("P", "PA") else None
+    digest = hashlib.blake2b(image.tobytes(), digest_size=16)
+    digest.update(repr((palette, image.info.get("transparency"))).encode())
+    return image.mode, image.size, digest.digest()
 
 
 class _Memo:
@@ -65,6 +69,8 @@ class _Memo:
         self._plain = False  # its outputs are not per-image patches and grids: every call goes straight to it
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_inner" or name.startswith("__"):  # not set yet (a copy or unpickling in progress)
+            raise AttributeError(name)
         return getattr(self._inner, name)
 
     def __call__(self, images: Any = None, **kwargs: Any) -> Any:
