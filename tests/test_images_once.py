@@ -51,13 +51,13 @@ def test_other_calls_reach_the_processor_unchanged(tiny_dir):
 
 
 def test_a_processor_without_per_image_grids_is_called_as_it_is(tiny_dir):
-    # Gemma 3's processor returns pixel values alone: after one look, every call goes straight to it.
+    # Gemma 3's processor returns pixel values and crop counts: no memo is put in front of it.
     _, processor = FastVisionModel.from_pretrained(tiny_dir("gemma3"))
     plain = processor.image_processor
     images = [_image(0, (56, 56)), _image(1, (56, 56))]
     with images_processed_once(processor):
         outs = [processor.image_processor(images=images, return_tensors="pt") for _ in range(2)]
-        assert processor.image_processor._plain
+        assert processor.image_processor is plain
     expected = plain(images=images, return_tensors="pt")
     assert all(torch.equal(out["pixel_values"], expected["pixel_values"]) for out in outs)
 

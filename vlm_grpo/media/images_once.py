@@ -9,8 +9,8 @@ a 2-core host the processor took 245 ms for 16 originals and 402 ms for 48 image
 `images_processed_once(processor)` puts a memo in front of `processor.image_processor` for one batch (the attribute is
 restored after): an image is known by its pixels (mode, size and a digest of its bytes) and the call's keyword
 arguments, and the outputs of the images already seen are reused. Only where the result is exactly what one call
-over all images gives: the processor's outputs are per-image patches (`pixel_values`) and grids (`image_grid_thw`),
-as Qwen-VL's and GLM-4V's are, asked for as tensors; anything else goes to the processor as it is.
+over all images gives: image processors whose outputs (`model_input_names`) are per-image patches (`pixel_values`)
+and grids (`image_grid_thw`), as Qwen-VL's and GLM-4V's are, asked for as tensors; others are left as they are.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ _OUTPUTS = {"pixel_values", "image_grid_thw"}
 @contextlib.contextmanager
 def images_processed_once(processor: Any, active: bool = True) -> Iterator[None]:
     """While inside, `processor.image_processor` processes each distinct image once (a no-op where `active` is false
-    or the processor has no separate image processor)."""
+    or the image processor's outputs are not per-image patches and grids)."""
     image_processor = getattr(processor, "image_processor", None)
-    if not active or image_processor is None or isinstance(image_processor, _Memo):
+    if not active or set(getattr(image_processor, "model_input_names", ())) != _OUTPUTS:
         yield
         return
     processor.image_processor = _Memo(image_processor)
@@ -66,7 +66,6 @@ class _Memo:
     def __init__(self, image_processor: Any) -> None:
         self._inner = image_processor
         self._seen: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._plain = False  # its outputs are not per-image patches and grids: every call goes straight to it
 
     def __getattr__(self, name: str) -> Any:
         if name == "_inner" or name.startswith("__"):  # not set yet (a copy or unpickling in progress)
@@ -75,15 +74,14 @@ class _Memo:
 
     def __call__(self, images: Any = None, **kwargs: Any) -> Any:
         flat = _flat_images(images)
-        if self._plain or flat is None or kwargs.get("return_tensors") != "pt":
+        if flat is None or kwargs.get("return_tensors") != "pt":
             return self._inner(images, **kwargs)
         settings = tuple(sorted((name, repr(value)) for name, value in kwargs.items()))
         keys = [(_key(img), settings) for img in flat]
         missing = {key: img for key, img in zip(keys, flat, strict=True) if key not in self._seen}
         if missing:
             out = self._inner(list(missing.values()), **kwargs)
-            if set(out.keys()) != _OUTPUTS:  # not per-image patches and grids: no memo for this processor
-                self._plain = True
+            if set(out.keys()) != _OUTPUTS:  # not what its `model_input_names` said: the processor's own answer
                 return self._inner(images, **kwargs)
             sizes = out["image_grid_thw"].prod(-1).tolist()
             for key, pixels, grid in zip(missing, out["pixel_values"].split(sizes), out["image_grid_thw"], strict=True):

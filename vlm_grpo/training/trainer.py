@@ -292,7 +292,7 @@ class VLMGRPOTrainer(GRPOTrainer):
         self._vision_rows = None  # set by `_tokenize_prompts` for a batch with clips
         try:  # TRL's step reads transformers' old checkpointing name; its tool loop processes each image every turn
             with (quiet_third_party_checkpointing_deprecations(), sampled_as_vllm(self),
-                  images_processed_once(self.processing_class, tools or bool(self.tools))):  # fmt: skip
+                  images_processed_once(self.processing_class, bool(self.tools))):  # fmt: skip
                 output = super()._generate_and_score_completions(inputs)
             log_masked_sequences(self, output)  # a batch TRL's importance-sampling mask zeroed whole is said
             if self._vision_rows is not None:
