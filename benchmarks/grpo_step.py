@@ -73,13 +73,15 @@ VLM_VARIANTS = {
     "vlm-grpo-off": {"fast_generation": False, "shared_prefix": False},  # both fast paths off: the video baseline
     "vlm-grpo-vllm": VLLM_SETTINGS,  # rollouts through vLLM (engine/vllm_rollouts.py); min_new_tokens renamed for it
     "vlm-grpo-round3": {},  # the engine as the third decode round left it (GENERATOR_VARIANTS)
+    "vlm-grpo-whole": {},  # the decode step compiled as one whole graph, not per decoder layer (GENERATOR_VARIANTS)
     "vlm-grpo-eager-layers": {"compile_layers": False},  # the layers' training forward and backward run eagerly
     "vlm-grpo-compiled": {"compile_layers": True},  # compiled layers asked for by name (on CPU too: the smoke test)
     "vlm-grpo-compiled-la": {"compile_linear_attention": True},  # Qwen3.5's linear-attention layers compiled too
 }
 # Variants set on the trainer's FastGenerator: `vlm-grpo-round3` samples on the host after the recorded forward and
 # copies the base weights back before the scoring forward, not beside it (engine/token_loop.py, engine/lora_merge.py).
-GENERATOR_VARIANTS = {"vlm-grpo-round3": {"sample_in_graph": False, "overlap_restore": False}}
+GENERATOR_VARIANTS = {"vlm-grpo-round3": {"sample_in_graph": False, "overlap_restore": False},
+                      "vlm-grpo-whole": {"regional_compile": False}}  # fmt: skip
 
 
 def parse_args(argv=None):
@@ -325,8 +327,7 @@ def main(argv=None) -> None:
     env = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)", "torch": torch.__version__, "transformers": transformers.__version__,
            "trl": trl.__version__, "peft": peft.__version__}  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
-    trainers = [t for t in (args.trainers or ",".join(VIDEO_TRAINERS if args.video_frames else TRAINERS)).split(",")
-                if t]  # fmt: skip
+    trainers = [t for t in (args.trainers or ",".join(VIDEO_TRAINERS if args.video_frames else TRAINERS)).split(",") if t]  # fmt: skip
     if args.video_frames and (no_video := [t for t in trainers if t not in VLM_VARIANTS]):
         raise SystemExit(f"--video_frames: TRL has no video path, so {', '.join(no_video)} cannot run; compare "
                          f"{', '.join(VIDEO_TRAINERS)}.")  # fmt: skip

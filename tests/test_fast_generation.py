@@ -190,6 +190,7 @@ def test_compiled_decode_matches_and_one_graph_serves_several_prompt_lengths(tin
     trainer = _trainer(tiny_dir, tmp_path, generations=2)
     trainer.fast_generator.compile = True
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # reset() keeps the counters of earlier tests in this process
     for row in (ROWS[0], ROWS[2]):  # prompt lengths differ, the cache bucket does not
         batch = _batch(trainer, [row], 2)
         assert _fast(trainer, batch) == _plain(trainer, batch, 2)
@@ -223,6 +224,7 @@ def test_with_turn_headroom_every_turn_decodes_in_the_first_turns_cache(tiny_dir
     generator = trainer.fast_generator
     generator.cache_bucket, generator.turn_headroom, generator.compile = 4, 16, True
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # reset() keeps the counters of earlier tests in this process
     batches = [_batch(trainer, [row], 2) for row in (ROWS[1], ROWS[0], ROWS[2])]
     assert len(batches[2][0][0]) - len(batches[0][0][0]) <= 16  # the turns' growth fits the headroom
     for batch in batches:

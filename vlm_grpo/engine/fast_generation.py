@@ -53,6 +53,7 @@ from .quantized_generation import (
     describe,
     has_quantized_layers,
 )
+from .regional_decode import DecodeCompiler
 from .token_loop import DecodeBuffers, Sampler, on_device
 
 __all__ = [
@@ -110,6 +111,8 @@ class FastGenerator:
             call's cache (`engine.prefill.TurnCache`), where the model's cache allows it.
         turn_headroom: cache slots beyond a call's need, for a tool rollout's later turns (TRL's completion budget):
             every turn then decodes in the first turn's cache, compiled and recorded once, not once per turn.
+        regional_compile: with recorded CUDA graphs (or on CPU), compile the decode step one decoder layer at a time,
+            one graph for all layers (`engine.regional_decode`: a first step in seconds, not a minute).
     """
 
     compile: bool | None = None
@@ -124,9 +127,9 @@ class FastGenerator:
     overlap_restore: bool = True
     append_turns: bool = True
     turn_headroom: int = 0
+    regional_compile: bool = True
     stats: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STATS, 0))
-    _compiled_call: Any = field(default=None, repr=False)
-    _compiled_mode: str | None = field(default=None, repr=False)
+    _compiler: DecodeCompiler = field(default_factory=DecodeCompiler, repr=False)
     _graphs: DecodeGraphs = field(default_factory=DecodeGraphs, repr=False)
     _decode_caches: DecodeCaches = field(default=None, repr=False)  # built with the graphs it tells of dropped caches
     _quantized_layers: QuantizedLayers | None = field(default=None, repr=False)
@@ -351,13 +354,9 @@ class FastGenerator:
         device = next(iter(devices))
         recorded = compiled and self.cuda_graph == "recorded" and len(devices) == 1 and device.type == "cuda"
         call = model.__call__
-        if compiled:
-            # One compiled callable per model; torch.compile keeps one graph per (batch, cache length). Recorded
-            # graphs need Inductor's kernels without the compiler's own CUDA graphs.
-            mode = "default" if recorded else "reduce-overhead"
-            if self._compiled_call is None or self._compiled_mode != mode:
-                self._compiled_call, self._compiled_mode = torch.compile(model.__call__, mode=mode, dynamic=False), mode
-            call = self._compiled_call
+        if compiled:  # one graph per (batch, cache length); recorded graphs need Inductor's kernels without graphs
+            mode = "default" if recorded or device.type == "cpu" else "reduce-overhead"
+            call = self._compiler.call(model, cache, mode, self.regional_compile)
 
         def token(sample: bool) -> torch.Tensor | None:
             buffers.advance()

@@ -1,0 +1,162 @@
+"""The decode step compiled per decoder layer: the plain path's tokens, one graph for every layer, nothing between the
+layers that a recorded CUDA graph would refuse, and the whole-model compile where a layer reads the cache by index."""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+import torch._dynamo.utils
+from test_fast_generation import ROWS, _batch, _fast, _plain, _trainer
+from torch.overrides import TorchFunctionMode
+
+from vlm_grpo.engine.decode_attention import decode_attention
+from vlm_grpo.engine.regional_decode import DecodeCompiler, decoder_layers, layer_view, unsupported_reason
+
+# Families whose every decoder layer writes the cache through `cache.update(..., layer_idx)`: M-RoPE (Qwen2.5-VL),
+# deepstack features added in early layers (Qwen3-VL), sliding and full layers taking turns (Gemma 3), another text
+# model behind a connector (Idefics3).
+REGIONAL = ["qwen2_5_vl", "qwen3_vl", "gemma3", "idefics3"]
+
+
+def _compiled(trainer):
+    trainer.fast_generator.compile = True
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # reset() keeps the counters of earlier tests in this process
+    return trainer.fast_generator
+
+
+@pytest.mark.parametrize("family", REGIONAL)
+def test_per_layer_compile_gives_the_plain_paths_tokens_with_one_graph_per_layer_kind(tiny_dir, tmp_path, family):
+    trainer = _trainer(tiny_dir, tmp_path, family, generations=2)
+    generator = _compiled(trainer)
+    batch = _batch(trainer, [ROWS[0]], 2)
+    assert _fast(trainer, batch) == _plain(trainer, batch, 2)
+    assert generator._compiler.fallback_reason is None  # compiled per layer, not as one graph
+    layers = decoder_layers(trainer.model)
+    assert len(layers) >= 2 and all("forward" not in vars(layer) for layer in layers)  # the class forward is back
+    if family != "gemma3":
+        # Every layer runs the class's compiled forward: one graph serves them all, and the code between the layers is
+        # not compiled. (Gemma 3's sliding layers keep their length in a Python int that the graph guards on, so on
+        # CPU, where every token runs Python, each token recompiles as the whole-model compile does; on a GPU only the
+        # two calls before the recording run Python.)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_the_whole_model_compile_when_asked_gives_the_same_tokens(tiny_dir, tmp_path):
+    trainer = _trainer(tiny_dir, tmp_path, generations=2)
+    generator = _compiled(trainer)
+    generator.regional_compile = False
+    batch = _batch(trainer, [ROWS[2]], 2)
+    assert _fast(trainer, batch) == _plain(trainer, batch, 2)
+    assert generator._compiler.fallback_reason == "regional_compile is off"
+
+
+def test_a_hybrid_models_linear_attention_layers_compile_per_layer_too(tiny_dir, tmp_path):
+    # Qwen3.5's linear-attention layers read `cache.layers[self.layer_idx]` and its conv and recurrent states: with
+    # their own view and index 0, one graph serves the linear-attention layers and one the full-attention ones.
+    trainer = _trainer(tiny_dir, tmp_path, "qwen3_5", generations=2)
+    generator = _compiled(trainer)
+    batch = _batch(trainer, [ROWS[0]], 2)
+    assert _fast(trainer, batch) == _plain(trainer, batch, 2)
+    assert generator._compiler.fallback_reason is None
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    assert [m.layer_idx for m in trainer.model.modules() if hasattr(m, "layer_idx")] == list(range(len(
+        decoder_layers(trainer.model))))  # fmt: skip
+
+
+def test_a_model_whose_layers_differ_compiles_whole_with_the_reason_logged(tiny_dir, tmp_path, caplog):
+    trainer = _trainer(tiny_dir, tmp_path, generations=2)
+    generator = _compiled(trainer)
+    layers = decoder_layers(trainer.model)
+    layers[1].__class__ = type("OtherLayer", (type(layers[1]),), {})
+    batch = _batch(trainer, [ROWS[0]], 2)
+    with caplog.at_level("INFO", logger="vlm_grpo.engine.regional_decode"):
+        assert _fast(trainer, batch) == _plain(trainer, batch, 2)
+    assert generator._compiler.fallback_reason == "the decoder layers are not all of one class"
+    assert any("one whole graph" in r.getMessage() for r in caplog.records)
+
+
+def test_a_layers_view_of_the_cache_writes_that_layer_at_index_zero():
+    from transformers import Qwen2Config, StaticCache
+
+    config = Qwen2Config(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=3,
+                         vocab_size=32, intermediate_size=32)  # fmt: skip
+    cache, ref = StaticCache(config=config, max_cache_len=8), StaticCache(config=config, max_cache_len=8)
+    keys = torch.randn(1, 1, 4, 8)
+    out = layer_view(cache, 2).update(keys, keys + 1, 0)  # the layer asks for index 0 of its view: layer 2 is written
+    expected = ref.update(keys, keys + 1, 2)
+    assert all(torch.equal(a, b) for a, b in zip(out, expected, strict=True))
+    assert torch.equal(cache.layers[2].values, ref.layers[2].values) and cache.layers[2].keys[:, :, :4].any()
+    assert not any(layer.keys is not None and layer.keys.any() for layer in cache.layers[:2])
+    assert len(cache.layers) == 3  # the cache itself keeps its layers
+
+
+def test_reasons_name_what_keeps_the_whole_model_compile(tiny_dir):
+    from transformers import AutoModelForImageTextToText, StaticCache
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_dir("qwen2_5_vl"))
+    cache = StaticCache(config=model.config, max_cache_len=8)
+    assert unsupported_reason(model, cache) is None
+    assert "one layer per decoder layer" in unsupported_reason(model, object())
+    cache.offloading = True
+    assert "offloads" in unsupported_reason(model, cache)
+    layer = decoder_layers(model)[0]
+    layer.forward = layer.forward
+    assert "already replaced" in unsupported_reason(model, StaticCache(config=model.config, max_cache_len=8))
+    assert DecodeCompiler().call(model, cache, "reduce-overhead") is not None  # the whole model, compiled lazily
+
+
+# What synchronises the host with the device: a CUDA graph refuses it while recording.
+SYNCS = {"item", "__bool__", "tolist", "nonzero", "__int__", "__float__", "__index__", "cpu"}
+
+
+class _Syncs(TorchFunctionMode):
+    """Records each tensor operation that would synchronise with the device, with the line that called it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in SYNCS:
+            caller = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename][-1]
+            self.calls.append(f"{name} at {caller.filename}:{caller.lineno}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", REGIONAL)
+def test_the_code_between_the_layers_never_waits_on_the_device(tiny_dir, tmp_path, family):
+    # On a GPU the step runs uncompiled between the layers and is recorded as one CUDA graph (`engine.decode_graph`):
+    # a host synchronisation there would fail the recording. The layers themselves are checked here uncompiled.
+    from transformers import StaticCache
+
+    trainer = _trainer(tiny_dir, tmp_path, family, generations=2)
+    model = trainer.model
+    config = model.config
+    cache = StaticCache(config=config, max_cache_len=16)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    mask = torch.zeros(1, 16, dtype=torch.long)
+    mask[:, :5] = 1
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask[:, :4], use_cache=True, **{_cache_name(model): cache})
+        spy = _Syncs()
+        with decode_attention(model), spy:
+            model(input_ids=ids[:, :1], attention_mask=mask, position_ids=_positions(model, 4),
+                  cache_position=torch.tensor([4]), use_cache=True, logits_to_keep=1, **{_cache_name(model): cache})  # fmt: skip
+    assert spy.calls == []
+
+
+def _cache_name(model):
+    from vlm_grpo.compat import cache_kwarg
+
+    return cache_kwarg(model)
+
+
+def _positions(model, position):
+    """The decode positions the fast path passes: 3-D (M-RoPE) for Qwen-VL, else one row."""
+    rows = 3 if "qwen" in type(model.config).__name__.lower() else 1
+    positions = torch.full((1, 1), position)
+    return positions.expand(rows, 1, 1) if rows == 3 else positions
