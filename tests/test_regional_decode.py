@@ -160,3 +160,16 @@ def _positions(model, position):
     rows = 3 if "qwen" in type(model.config).__name__.lower() else 1
     positions = torch.full((1, 1), position)
     return positions.expand(rows, 1, 1) if rows == 3 else positions
+
+
+def test_more_batch_sizes_than_dynamos_default_limit_all_run_compiled(tiny_dir, tmp_path):
+    # A tool rollout's later turns decode as many batch sizes as rows still call tools: past Dynamo's default of 8
+    # graphs per function the layers would run uncompiled (slowly, and with no error).
+    trainer = _trainer(tiny_dir, tmp_path, generations=2)
+    _compiled(trainer)
+    sizes = range(1, 10)
+    for size in sizes:
+        batch = _batch(trainer, [ROWS[0]], size)
+        assert _fast(trainer, batch) == _plain(trainer, batch, size)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == len(sizes)
+    assert torch._dynamo.config.recompile_limit == 8  # the limit is raised for the decode step alone

@@ -41,6 +41,8 @@ __all__ = ["DecodeCompiler", "decoder_layers", "layer_view", "unsupported_reason
 
 logger = logging.getLogger(__name__)
 
+RECOMPILE_LIMIT = 64  # graphs of one decoder layer class: (batch size, cache length) pairs
+
 
 def layer_view(cache: Any, index: int) -> Any:
     """`cache` as decoder layer `index` sees it with its `layer_idx` set to 0: a shallow copy whose only layer is that
@@ -108,7 +110,11 @@ class DecodeCompiler:
         return self._whole
 
     def _layered_call(self, model: nn.Module, cache: Any, /, **inputs: Any) -> Any:
-        with self.layers_compiled(model, cache):
+        # Each (batch, cache length) compiles the layer again: a tool rollout's later turns decode as many batch sizes
+        # as rows still calling tools. Dynamo's default of 8 graphs per function would then run the layers uncompiled;
+        # per layer a compile costs seconds, so more are allowed here.
+        limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        with self.layers_compiled(model, cache), torch._dynamo.config.patch(recompile_limit=limit):
             return model(**inputs)
 
     @contextlib.contextmanager
