@@ -33,9 +33,11 @@ float rounding of fused kernels (tests: loss and every gradient against the eage
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -46,7 +48,7 @@ from ..integrations.unsloth import uses_unsloth
 from ..models.modes import checkpointing_mode
 from .quantized_generation import is_quantized_linear
 
-__all__ = ["COMPILED_CHILDREN", "CompiledLayers", "detach_all", "unsupported_reason"]
+__all__ = ["COMPILED_CHILDREN", "CompiledLayers", "detach_all", "training_forwards_aside", "unsupported_reason"]
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +164,20 @@ def detach_all(model: nn.Module) -> int:
     for module in removed:
         _remove(module)
     return len(removed)
+
+
+@contextlib.contextmanager
+def training_forwards_aside(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Inside the block the compiled training forwards of `modules` and their children are set aside (put back
+    after). Without gradients they run the class's forward anyway; code compiled around them (the per-layer decode
+    step, `engine.regional_decode`) would otherwise guard on each one's identity and compile once per layer."""
+    aside = [(m, m.__dict__.pop("forward")) for root in modules for m in root.modules()
+             if isinstance(m.__dict__.get("forward"), _TrainingForward)]  # fmt: skip
+    try:
+        yield
+    finally:
+        for module, forward in aside:
+            module.__dict__["forward"] = forward
 
 
 def _remove(module: nn.Module) -> None:

@@ -36,6 +36,7 @@ from torch import nn
 from ..compat import cache_kwarg
 from ..families import core_model
 from ..integrations.unsloth import uses_unsloth
+from .compiled_layers import training_forwards_aside
 
 __all__ = ["DecodeCompiler", "decoder_layers", "layer_view", "unsupported_reason"]
 
@@ -133,7 +134,8 @@ class DecodeCompiler:
         for module, _ in indexed:
             module.layer_idx = 0  # every layer asks for the only layer of its view
         try:
-            yield
+            with training_forwards_aside(layers):
+                yield
         finally:
             for module, index in indexed:
                 module.layer_idx = index
