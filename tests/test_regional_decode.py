@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 
 from vlm_grpo.engine.decode_attention import decode_attention
 from vlm_grpo.engine.regional_decode import DecodeCompiler, decoder_layers, layer_view, unsupported_reason
+from vlm_grpo.models.loader import FastVisionModel
 
 # Families whose every decoder layer writes the cache through `cache.update(..., layer_idx)`: M-RoPE (Qwen2.5-VL),
 # deepstack features added in early layers (Qwen3-VL), sliding and full layers taking turns (Gemma 3), another text
@@ -135,6 +136,7 @@ def test_the_code_between_the_layers_never_waits_on_the_device(tiny_dir, tmp_pat
 
     trainer = _trainer(tiny_dir, tmp_path, family, generations=2)
     model = trainer.model
+    FastVisionModel.for_inference(model)  # as the fast path decodes: no checkpointing (it drops the cache)
     config = model.config
     cache = StaticCache(config=config, max_cache_len=16)
     ids = torch.tensor([[1, 2, 3, 4]])
