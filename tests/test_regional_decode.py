@@ -191,3 +191,19 @@ def test_the_compiled_training_forwards_do_not_make_each_layer_compile_again(tin
     assert _fast(trainer, batch) == _plain(trainer, batch, 2)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert all("forward" in vars(module) for module in compiled.modules)  # put back for training
+
+
+def test_a_step_that_raises_leaves_the_layers_as_they_were(tiny_dir, tmp_path):
+    trainer = _trainer(tiny_dir, tmp_path, generations=2)
+    model = trainer.model
+    layers = decoder_layers(model)
+    indices = [m.layer_idx for m in model.modules() if hasattr(m, "layer_idx")]
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=8)
+    with pytest.raises(RuntimeError, match="inside the step"), DecodeCompiler().layers_compiled(model, cache):
+        assert all("forward" in vars(layer) for layer in layers)
+        assert {m.layer_idx for m in model.modules() if hasattr(m, "layer_idx")} == {0}
+        raise RuntimeError("inside the step")
+    assert all("forward" not in vars(layer) for layer in layers)
+    assert [m.layer_idx for m in model.modules() if hasattr(m, "layer_idx")] == indices

@@ -129,11 +129,12 @@ class DecodeCompiler:
             compiled = self._layer_forwards[kind] = torch.compile(kind.forward, dynamic=False)
         name = cache_kwarg(model)
         indexed = [(m, m.layer_idx) for layer in layers for m in layer.modules() if hasattr(m, "layer_idx")]
-        for index, layer in enumerate(layers):
-            layer.forward = functools.partial(_layer_forward, compiled, layer, layer_view(cache, index), name)
-        for module, _ in indexed:
-            module.layer_idx = 0  # every layer asks for the only layer of its view
+        views = [layer_view(cache, index) for index in range(len(layers))]  # before anything on the model changes
         try:
+            for layer, view in zip(layers, views, strict=True):
+                layer.forward = functools.partial(_layer_forward, compiled, layer, view, name)
+            for module, _ in indexed:
+                module.layer_idx = 0  # every layer asks for the only layer of its view
             with training_forwards_aside(layers):
                 yield
         finally:
