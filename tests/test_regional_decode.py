@@ -103,10 +103,19 @@ def test_reasons_name_what_keeps_the_whole_model_compile(tiny_dir):
     assert "one layer per decoder layer" in unsupported_reason(model, object())
     cache.offloading = True
     assert "offloads" in unsupported_reason(model, cache)
-    layer = decoder_layers(model)[0]
+    layer = decoder_layers(model)[-1]  # any layer, not only the first
     layer.forward = layer.forward
     assert "already replaced" in unsupported_reason(model, StaticCache(config=model.config, max_cache_len=8))
-    assert DecodeCompiler().call(model, cache, "reduce-overhead") is not None  # the whole model, compiled lazily
+    compiler = DecodeCompiler()
+    assert compiler.call(model, cache, "reduce-overhead") is not None  # the whole model, compiled lazily
+    assert "reduce-overhead" in compiler.fallback_reason
+    del layer.forward
+    # A family not checked for uses of `layer_idx` beyond the cache (Gemma 3n keys shared states by it).
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    text = Qwen2ForCausalLM(Qwen2Config(hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
+                                        num_hidden_layers=2, vocab_size=32, intermediate_size=32))  # fmt: skip
+    assert "family" in unsupported_reason(text, StaticCache(config=text.config, max_cache_len=8))
 
 
 # What synchronises the host with the device: a CUDA graph refuses it while recording.
@@ -207,3 +216,12 @@ def test_a_step_that_raises_leaves_the_layers_as_they_were(tiny_dir, tmp_path):
         raise RuntimeError("inside the step")
     assert all("forward" not in vars(layer) for layer in layers)
     assert [m.layer_idx for m in model.modules() if hasattr(m, "layer_idx")] == indices
+
+
+def test_the_cache_is_replaced_by_the_view_however_a_layer_receives_it():
+    from vlm_grpo.engine.regional_decode import _layer_forward
+
+    cache, view, hidden = object(), object(), torch.zeros(1)
+    seen = _layer_forward(lambda layer, *args, **kwargs: (args, kwargs), "layer", cache, view, hidden, cache,
+                          past_key_values=cache, cache=cache, other=1)  # fmt: skip
+    assert seen == ((hidden, view), {"past_key_values": view, "cache": view, "other": 1})

@@ -33,8 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compat import cache_kwarg
-from ..families import core_model
+from ..families import core_model, find_family
 from ..integrations.unsloth import uses_unsloth
 from .compiled_layers import training_forwards_aside
 
@@ -68,9 +67,12 @@ def unsupported_reason(model: nn.Module, cache: Any) -> str | None:
         return "the text decoder has no `layers` list"
     if len({type(layer) for layer in layers}) != 1:
         return "the decoder layers are not all of one class"
+    if find_family(core_model(model)) is None:
+        # Checked family by family: only cache calls read `layer_idx` (Gemma 3n, say, keys shared states by it).
+        return "the model's family is not one vlm-grpo lists (its layers may read `layer_idx` beyond the cache)"
     if uses_unsloth(model):
         return "Unsloth patches the layers' forwards with its own kernels"
-    if "forward" in vars(layers[0]):
+    if any("forward" in vars(layer) for layer in layers):
         return "the decoder layers' forward is already replaced"
     cache_layers = getattr(cache, "layers", None)
     if not isinstance(cache_layers, list) or len(cache_layers) != len(layers):
@@ -127,12 +129,11 @@ class DecodeCompiler:
         compiled = self._layer_forwards.get(kind)
         if compiled is None:
             compiled = self._layer_forwards[kind] = torch.compile(kind.forward, dynamic=False)
-        name = cache_kwarg(model)
         indexed = [(m, m.layer_idx) for layer in layers for m in layer.modules() if hasattr(m, "layer_idx")]
         views = [layer_view(cache, index) for index in range(len(layers))]  # before anything on the model changes
         try:
             for layer, view in zip(layers, views, strict=True):
-                layer.forward = functools.partial(_layer_forward, compiled, layer, view, name)
+                layer.forward = functools.partial(_layer_forward, compiled, layer, cache, view)
             for module, _ in indexed:
                 module.layer_idx = 0  # every layer asks for the only layer of its view
             with training_forwards_aside(layers):
@@ -141,14 +142,17 @@ class DecodeCompiler:
             for module, index in indexed:
                 module.layer_idx = index
             for layer in layers:
-                vars(layer).pop("forward", None)
+                forward = vars(layer).get("forward")
+                if isinstance(forward, functools.partial) and forward.func is _layer_forward:
+                    del vars(layer)["forward"]  # ours only
 
 
-def _layer_forward(compiled: Callable[..., Any], layer: nn.Module, view: Any, name: str, *args: Any,
+def _layer_forward(compiled: Callable[..., Any], layer: nn.Module, cache: Any, view: Any, /, *args: Any,
                    **kwargs: Any) -> Any:  # fmt: skip
-    """One decoder layer's forward through the compiled class forward, its cache replaced by its own view."""
-    if kwargs.get(name) is not None:
-        kwargs[name] = view
+    """One decoder layer's forward through the compiled class forward, the cache replaced by the layer's own view
+    wherever it is passed (by keyword, under whichever name, or by position)."""
+    args = tuple(view if a is cache else a for a in args)
+    kwargs = {k: view if v is cache else v for k, v in kwargs.items()}
     if not torch.is_grad_enabled():
         # An input hook that marks the embeddings as requiring grad (PEFT's, for checkpointing with frozen inputs)
         # does so under no_grad too: without this the first layer would compile a graph of its own.
