@@ -14,9 +14,10 @@ and Dynamo specialises on the index, so every layer would compile again. For the
 view of the cache (`layer_view`: the cache object with its one layer as `layers[0]`) and its modules' `layer_idx` are
 0, so every layer asks for index 0 of its own view; the indices are put back after.
 
-Taken only where every decoder layer is one class and the cache keeps one preallocated layer per decoder layer
-(static attention layers, sliding or not, and linear-attention states, as Qwen3.5's), with no offloading and no
-Unsloth kernels (`unsupported_reason`). The tokens are the whole-model compile's and the eager forward's up to float
+Taken only for the families vlm-grpo lists (their model code reads `layer_idx` for the cache alone, checked on
+transformers 5.17 and 5.24), where every decoder layer is one class and the cache keeps one preallocated layer per
+decoder layer (static attention layers, sliding or not, and linear-attention states, as Qwen3.5's), with no
+offloading and no Unsloth kernels (`unsupported_reason`). The tokens are the whole-model compile's and the eager forward's up to float
 rounding (tests: tokens against the plain path on every family that takes it, one graph over the layers, no host
 synchronisation between the layers, which a recording would refuse).
 """
