@@ -17,9 +17,9 @@ view of the cache (`layer_view`: the cache object with its one layer as `layers[
 Taken only for the families vlm-grpo lists (their model code reads `layer_idx` for the cache alone, checked on
 transformers 5.17 and 5.24), where every decoder layer is one class and the cache keeps one preallocated layer per
 decoder layer (static attention layers, sliding or not, and linear-attention states, as Qwen3.5's), with no
-offloading and no Unsloth kernels (`unsupported_reason`). The tokens are the whole-model compile's and the eager forward's up to float
-rounding (tests: tokens against the plain path on every family that takes it, one graph over the layers, no host
-synchronisation between the layers, which a recording would refuse).
+offloading and no Unsloth kernels (`unsupported_reason`). The tokens are the whole-model compile's and the eager
+forward's up to float rounding (tests: the plain path's tokens on Qwen2.5-VL, Qwen3-VL, Gemma 3, Idefics3 and
+Qwen3.5, one graph over the layers, no host synchronisation between the layers, which a recording would refuse).
 """
 
 from __future__ import annotations
