@@ -86,9 +86,12 @@ def unsupported_reason(model: nn.Module) -> str | None:
 
 @functools.cache
 def _compiled(forward: Any) -> Any:
-    # One compiled function per class forward, shared by every instance. `dynamic=None`: static shapes first, then
-    # dynamic once a second length shows up (the packed rows' length changes every step), so two compilations.
-    return torch.compile(forward, dynamic=None)
+    # One compiled function per class forward, shared by every instance. `dynamic=True`: the rows' count and length
+    # are symbols from the first compile (the packed rows' length changes every step). With `dynamic=None` the first
+    # graph was static and the first new length compiled a dynamic one: two compilations, the second whenever a
+    # length first changed (step 2 of a real run; step 4-100 of a soak with forced lengths, measured on the H100).
+    # Sizes that meet a weight's (the hidden size, the heads) are specialised by their guards all the same.
+    return torch.compile(forward, dynamic=True)
 
 
 class CompiledLayers:

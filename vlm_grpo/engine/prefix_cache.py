@@ -12,10 +12,15 @@ from the model's `get_rope_index`; 1-D ones counted over the real tokens, as `ge
 
 Gradients flow through each completion's copy of the cache into the prompt's forward, summed over the group, as the
 repeated computation gives. Two details keep that exact under activation checkpointing, where transformers drops a
-layer's cache (a recomputed layer would otherwise write it twice): the prompt's forward runs unchecked (its activations
-are one row per group), and the continuation's cache is read-only (`_ReadOnlyAttention`, `_ReadOnlyState`: a layer
-returns the prompt's state joined to the new tokens' and stores nothing), so its layers may keep it when checkpointed:
-the recomputation reads the same tensors.
+layer's cache (a recomputed layer would otherwise write it twice, or start from the state it wrote):
+- The continuation's cache is read-only (`_ReadOnlyAttention`, `_ReadOnlyState`: a layer returns the prompt's state
+  joined to the new tokens' and stores nothing), so its layers may keep it when checkpointed: the recomputation reads
+  the same tensors.
+- The prompt's forward is checkpointed too, its cache taken for the continuation and then emptied
+  (`_emptied_for_recompute`): a prompt layer recomputed in backward finds the empty cache its forward found, and what
+  it writes there is dropped. It ran unchecked before, keeping every layer's activations (the vision tower's and the
+  linear-attention scans' included) until backward: on the H100 that put Qwen3.5-4B's training peak 8 GiB over TRL's
+  (`tests/test_prefix_cache.py` counts the bytes kept for backward against TRL's path).
 """
 
 from __future__ import annotations
@@ -117,25 +122,30 @@ def _continuation_cache(prompt_cache: Any, index: torch.Tensor, config: Any) -> 
 
 
 @contextlib.contextmanager
-def _layers_keep_cache(core: Any, keep: bool) -> Iterator[None]:
-    """Within the block, checkpointed decoder layers keep the cache they are given (`keep`), or, for the prompt's
-    forward, are not checkpointed at all (`keep=False`); each layer's own setting is restored after."""
+def _layers_keep_cache(core: Any) -> Iterator[None]:
+    """Within the block, checkpointed decoder layers keep the cache they are given (transformers drops it: a layer
+    recomputed in backward would write it again); each layer's own setting is restored after."""
     layers = [m for m in core.modules() if hasattr(type(m), "_can_checkpoint_with_cache")]
-    saved = [(m, m.__dict__.get("_can_checkpoint_with_cache"), m.gradient_checkpointing) for m in layers]
+    saved = [(m, m.__dict__.get("_can_checkpoint_with_cache")) for m in layers]
     for module in layers:
-        if keep:
-            module._can_checkpoint_with_cache = True
-        else:
-            module.gradient_checkpointing = False
+        module._can_checkpoint_with_cache = True
     try:
         yield
     finally:
-        for module, attribute, checkpointing in saved:
+        for module, attribute in saved:
             if attribute is None:
                 module.__dict__.pop("_can_checkpoint_with_cache", None)
             else:
                 module._can_checkpoint_with_cache = attribute
-            module.gradient_checkpointing = checkpointing
+
+
+def _emptied_for_recompute(cache: Any, config: Any) -> None:
+    """`cache`'s layers replaced by new empty ones, as the prompt's forward found them: a checkpointed prompt layer
+    recomputed in backward then reads no state (its forward read none) and writes where nothing reads it. The
+    continuation holds the filled layers' tensors (`_continuation_cache`)."""
+    from transformers import DynamicCache
+
+    cache.layers = DynamicCache(config=config).layers
 
 
 def _positions(
@@ -215,10 +225,12 @@ def prefix_cache_logps(
         cache = DynamicCache(config=core.config)
         extra = {"mm_token_type_ids": prompt_types[:, :-1]} if prompt_types is not None else {}
         nothing = torch.full_like(prompt_ids[:, :-1], -100)  # no label: the prompt's own log-probs are not needed
-        with _layers_keep_cache(core, keep=False):
+        with _layers_keep_cache(core):
             anchor = model(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1],
                            position_ids=positions[..., :-1], shift_labels=nothing, fused_lm_head=True,
                            **{cache_name: cache}, **vision, **extra).log_probs.sum() * 0  # fmt: skip
+        continued = _continuation_cache(cache, index, core.config)
+        _emptied_for_recompute(cache, core.config)
         # Each completion: [p, c_1 .. c_{T-1}] after its group's prompt state, predicting [c_1 .. c_T].
         completion_mask = attention_mask[rows, prompt_len:]
         step = torch.arange(logits_to_keep - 1, device=input_ids.device)
@@ -228,9 +240,9 @@ def prefix_cache_logps(
         continuation = torch.cat([input_ids[rows, prompt_len - 1 : prompt_len], input_ids[rows, prompt_len:-1]], -1)
         mask = torch.cat([prompt_mask[index, :-1], torch.ones_like(index)[:, None], completion_mask[:, :-1]], -1)
         labels = torch.where(completion_mask > 0, input_ids[rows, prompt_len:], -100)
-        with _layers_keep_cache(core, keep=True):
+        with _layers_keep_cache(core):
             out = model(input_ids=continuation, attention_mask=mask, position_ids=positions, shift_labels=labels,
-                        fused_lm_head=True, **{cache_name: _continuation_cache(cache, index, core.config)})  # fmt: skip
+                        fused_lm_head=True, **{cache_name: continued})  # fmt: skip
         results.append((rows, out.log_probs + anchor, out.entropy if compute_entropy else None))
     for rows, chunk_logps, chunk_entropies in results:
         logps = logps.index_put((rows,), chunk_logps)
