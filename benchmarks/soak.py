@@ -43,6 +43,13 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="CPU threads (tiny)")
     p.add_argument("--checkpoint_dir", default="/tmp/vlm-grpo-bench", help="where models are built once")
     p.add_argument("--out", default="benchmarks/results/soak", help="folder for soak.json and soak.png")
+    p.add_argument(
+        "--max_seconds",
+        type=float,
+        default=None,
+        help="stop after the step that passes this many seconds of training, and report what ran (a GPU "
+        "call has a time limit: the H100's 200 steps of 256 tokens took about 560 s)",
+    )
     args = p.parse_args(argv)
     tiny = args.model == "tiny"
     for name, small, real in (("steps", 2000, 200), ("prompts", 4, 2), ("num_generations", 4, 8),
@@ -63,14 +70,20 @@ def _rss_bytes() -> int:
         return psutil.Process().memory_info().rss
 
 
-def recorder(trainer_ref: dict, records: list):
-    """A TrainerCallback appending one record per optimizer step to `records` (the trainer comes later, in
-    `trainer_ref["trainer"]`: the fast generator's recordings live on it)."""
+def recorder(trainer_ref: dict, records: list, out: str | None = None, max_seconds: float | None = None):
+    """A TrainerCallback appending one record per optimizer step to `records` and, as it goes, to `out/steps.jsonl`
+    (a run cut off keeps every step it made); it stops training after the step that passes `max_seconds` (the
+    trainer comes later, in `trainer_ref["trainer"]`: the fast generator's recordings live on it)."""
     import torch
     from torch._dynamo.utils import counters
     from transformers import TrainerCallback
 
     class SoakRecorder(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.train_start = time.perf_counter()
+            if out is not None:
+                open(os.path.join(out, "steps.jsonl"), "w").close()
+
         def on_step_begin(self, args, state, control, **kwargs):
             self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
@@ -94,6 +107,11 @@ def recorder(trainer_ref: dict, records: list):
                 record["allocated_mib"] = torch.cuda.memory_allocated() / 2**20
                 record["reserved_mib"] = torch.cuda.memory_reserved() / 2**20
             records.append({k: round(v, 5) if isinstance(v, float) else v for k, v in record.items()})
+            if out is not None:
+                with open(os.path.join(out, "steps.jsonl"), "a") as f:
+                    f.write(json.dumps(records[-1]) + "\n")
+            if max_seconds is not None and time.perf_counter() - self.train_start > max_seconds:
+                control.should_training_stop = True
             if state.global_step % 100 == 0 or state.global_step <= 3:
                 print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}),
                       flush=True)  # fmt: skip
@@ -155,7 +173,7 @@ def build_trainer(args, records: list):
         config = VLMGRPOConfig(**common, learning_rate=1e-6)
         rewards, data = [_length_reward], _real_dataset(args)
     trainer = VLMGRPOTrainer(model, rewards, args=config, train_dataset=data, processing_class=processor,
-                             callbacks=[recorder(ref, records)])  # fmt: skip
+                             callbacks=[recorder(ref, records, args.out, args.max_seconds)])  # fmt: skip
     ref["trainer"] = trainer
     trainer.remove_callback(PrinterCallback)  # a dict per step: the records say what matters here
     return trainer
