@@ -15,7 +15,9 @@ pointed at folders under `--out`:
    carries `checkpoint-N/compile_cache/`, finds).
 
 The table gives each run's first step split into generation, scoring and training (where compilation lands: the
-decode step in generation, the training layers in training), the model load, and one later step for scale.
+decode step in generation, the training layers in training), the model load, one later step for scale, and the
+worker's time in torch.compile by part (Dynamo's `compile_times`: its trace, AOTAutograd with Inductor, loads from
+Inductor's cache, the Triton kernels' builds; every part over 0.1 s is in the worker's JSON, `compile_s`).
 Results: `<out>/cold_start.json` and `<out>/cold_start.md`; each run's own report under `<out>/<run>/`.
 """
 
@@ -68,18 +70,30 @@ def rows(runs: dict) -> list[dict]:
                           "generation_s": first["generation_s"], "scoring_s": first["scoring_s"],
                           "training_s": first["training_s"], "load_s": worker.get("load_s"),
                           "next_s": steps[1]["total_s"] if len(steps) > 1 else None,
-                          "compiled_graphs": worker.get("compiled_graphs")})  # fmt: skip
+                          "compiled_graphs": worker.get("compiled_graphs"),
+                          "compile_s": worker.get("compile_s") or {}})  # fmt: skip
         for trainer, why in run["results"].get("failures", {}).items():
             table.append({"run": name, "trainer": trainer, "failed": why})
     return table
+
+
+# Dynamo's compile timers (`step_timing.compile_seconds`) the table splits a run's compiling into.
+COMPILE_PARTS = ("_compile.compile_inner", "bytecode_tracing", "create_aot_dispatcher_function",
+                 "AOTAutogradCache.inductor_load", "async_compile.wait")  # fmt: skip
+
+
+def _compiling(seconds: dict) -> str:
+    """`all / trace / AOT + Inductor / cache loads / Triton builds` seconds of one worker (`-` for a part not timed)."""
+    return " / ".join(f"{seconds[part]:.1f}" if part in seconds else "-" for part in COMPILE_PARTS)
 
 
 def markdown(table: list[dict], args: argparse.Namespace, env: dict | None) -> str:
     head = (f"{args.model}, 2 prompts x 8 generations (grpo_step.py's defaults unless forwarded); "
             f"GPU: {(env or {}).get('gpu', '?')}; torch {(env or {}).get('torch', '?')}")  # fmt: skip
     lines = [head, "",
-             "| run | trainer | first step s | generation s | scoring s | training s | load s | next step s | compiled graphs |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             ("| run | trainer | first step s | generation s | scoring s | training s | load s | next step s | compiled graphs "
+              "| compiling s: all / Dynamo's trace / AOTAutograd + Inductor / cache loads / Triton builds |"),
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in table:
         if "failed" in r:
             lines.append(f"| {r['run']} | {r['trainer']} | failed: {r['failed']} |")
@@ -87,7 +101,7 @@ def markdown(table: list[dict], args: argparse.Namespace, env: dict | None) -> s
         nxt = f"{r['next_s']:.2f}" if r["next_s"] is not None else ""
         lines.append(f"| {r['run']} | {r['trainer']} | {r['first_s']:.1f} | {r['generation_s']:.1f} | "
                      f"{r['scoring_s']:.1f} | {r['training_s']:.1f} | {r['load_s']:.1f} | {nxt} | "
-                     f"{r['compiled_graphs']} |")  # fmt: skip
+                     f"{r['compiled_graphs']} | {_compiling(r.get('compile_s') or {})} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

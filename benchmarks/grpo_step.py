@@ -211,7 +211,7 @@ def run_worker(args) -> None:
     if args.video_frames:  # every frame kept: the clip is the benchmark's input, not the sampler's choice
         common["video_num_frames"] = args.video_frames
     records: list = []
-    from step_timing import step_timer, timed
+    from step_timing import compile_seconds, step_timer, timed
 
     timer = step_timer(records, args.profile_step)
     load_start = time.perf_counter()
@@ -296,7 +296,7 @@ def run_worker(args) -> None:
     result = {"trainer": trainer_name, "load_s": load_s, "steps": records, "losses": losses, "mean_lengths": lengths,
               "sampler_gap": gaps,
               "params": sum(p.numel() for p in trainer.model.parameters()),
-              "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+              "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"], "compile_s": compile_seconds(),
               "fast_generation": dict(getattr(getattr(trainer, "fast_generator", None), "stats", {})),
               "quantized_generation": (trainer.fast_generator.describe_quantized()
                                        if hasattr(trainer, "fast_generator") else {}),

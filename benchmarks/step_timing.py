@@ -102,3 +102,19 @@ def step_timer(records: list, args_profile_step: int = 0):
             records[-1].update(peak_gib=max(phases.values()), peak_phases_gib=phases)
 
     return StepTimer()
+
+
+def compile_seconds(least: float = 0.1) -> dict[str, float]:
+    """Seconds this process spent in each part of torch.compile so far (Dynamo's `compile_times`: `_compile.
+    compile_inner` is the whole, `bytecode_tracing` Dynamo's trace, `create_aot_dispatcher_function` AOTAutograd with
+    Inductor inside it, `async_compile.wait` the Triton kernels' builds), the parts of `least` seconds or more; empty
+    where torch does not say. Where a first step's compile goes (issue #48)."""
+    try:
+        from torch._dynamo.utils import compile_times
+
+        names, values = compile_times(repr="csv", aggregate=True)
+        return {
+            name: round(float(value), 2) for name, value in zip(names, values, strict=True) if float(value) >= least
+        }
+    except Exception:  # noqa: BLE001 (a private API: a report without it, never a failed benchmark)
+        return {}
