@@ -209,6 +209,8 @@ def test_checkpointing_mode_is_read_from_the_model(tiny_dir, how):
     assert checkpointing_mode(model) == "reentrant"
     FastVisionModel.for_training(model, use_gradient_checkpointing=True)
     assert checkpointing_mode(model) is True
+    enable_checkpointing(model, {})  # no use_reentrant: torch's checkpoint runs reentrant (and warns)
+    assert checkpointing_mode(model) == "reentrant"
 
 
 def test_from_pretrained_defaults_and_pixel_budget(tiny_dir):

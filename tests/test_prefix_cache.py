@@ -43,3 +43,24 @@ def test_the_prompt_cache_scorer_keeps_no_more_for_backward_than_trl(tiny_dir, t
     (plain_loss, plain_bytes), (loss, prefix_bytes) = kept[False], kept[True]
     assert abs(loss - plain_loss) <= 1e-3 * abs(plain_loss) + 1e-6
     assert 0 < prefix_bytes <= plain_bytes, (prefix_bytes, plain_bytes)
+
+
+@pytest.mark.trains
+def test_reentrant_checkpointing_falls_back_to_trl_with_its_reason_and_the_same_gradients(tiny_dir, tmp_path):
+    # Reentrant checkpointing runs a layer's forward without gradients, so the prompt's cache would reach the
+    # continuation detached: 70 LoRA weights' gradients wrong and nothing raised, had the path served it.
+    trainer = _trainer(tiny_dir, tmp_path, "qwen3_5", lora="both", gc="reentrant")
+    inputs = _batch(trainer, "qwen3_5")
+    model = trainer.model
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    grads = {}
+    for shared in (False, True):
+        trainer.args.shared_prefix = shared
+        model.zero_grad()
+        trainer.compute_loss(model, inputs).backward()
+        grads[shared] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert any("reentrant" in reason for reason in trainer.shared_prefix_fallbacks), trainer.shared_prefix_fallbacks
+    assert set(grads[True]) == set(grads[False]) and len(grads[False]) > 70
+    for name, grad in grads[False].items():
+        assert (grads[True][name] - grad).norm() <= 1e-4 * grad.norm() + 1e-8, name

@@ -74,11 +74,12 @@ def _checkpoint_func_kwargs(model: nn.Module) -> dict[str, Any] | None:
 
 
 def checkpointing_mode(model: nn.Module) -> bool | str:
-    """The model's checkpointing as `for_training` takes it: False (off), "reentrant", or True (non-reentrant)."""
+    """The model's checkpointing as `for_training` takes it: False (off), "reentrant", or True (non-reentrant).
+    Switched on without `use_reentrant`, torch's checkpoint runs reentrant (and warns): "reentrant"."""
     kwargs = _checkpoint_func_kwargs(model)
     if kwargs is None:
         return False
-    return "reentrant" if kwargs.get("use_reentrant") else True
+    return "reentrant" if kwargs.get("use_reentrant", True) else True
 
 
 def set_checkpointing(model: nn.Module, use_gradient_checkpointing: bool | str) -> None:
