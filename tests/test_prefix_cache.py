@@ -64,3 +64,42 @@ def test_reentrant_checkpointing_falls_back_to_trl_with_its_reason_and_the_same_
     assert set(grads[True]) == set(grads[False]) and len(grads[False]) > 70
     for name, grad in grads[False].items():
         assert (grads[True][name] - grad).norm() <= 1e-4 * grad.norm() + 1e-8, name
+
+
+@pytest.mark.trains
+def test_a_reentrant_checkpoint_applied_outside_transformers_is_caught_by_the_detached_cache(tiny_dir, tmp_path):
+    # torch's own reentrant wrapper (as FSDP setups apply it) leaves transformers' checkpointing settings off, so the
+    # settings say nothing: the prompt's cache coming out without gradients does (80 of 80 gradients were wrong).
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    trainer = _trainer(tiny_dir, tmp_path, "qwen3_5", lora="both", gc=False)
+    inputs = _batch(trainer, "qwen3_5")
+    model = trainer.model
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1
+
+    def grads(shared):
+        trainer.args.shared_prefix = shared
+        model.zero_grad()
+        trainer.compute_loss(model, inputs).backward()
+        return {n.replace("._checkpoint_wrapped_module", ""): p.grad.clone()
+                for n, p in model.named_parameters() if p.grad is not None}  # fmt: skip
+
+    reference = grads(False)
+    reentrant = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.REENTRANT)
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=reentrant, check_fn=lambda m: type(m).__name__ == "Qwen3_5DecoderLayer"
+    )
+    calls = trainer.shared_prefix_calls
+    served = grads(True)
+    assert trainer.shared_prefix_calls == calls  # declined
+    assert any("without gradients" in reason for reason in trainer.shared_prefix_fallbacks)
+    assert set(served) == set(reference)
+    for name, grad in reference.items():
+        assert (served[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-8, name

@@ -90,7 +90,8 @@ def _compiled(forward: Any) -> Any:
     # are symbols from the first compile (the packed rows' length changes every step). With `dynamic=None` the first
     # graph was static and the first new length compiled a dynamic one: two compilations, the second whenever a
     # length first changed (step 2 of a real run; step 4-100 of a soak with forced lengths, measured on the H100).
-    # Sizes that meet a weight's (the hidden size, the heads) are specialised by their guards all the same.
+    # Sizes that meet a weight's (the hidden size, the heads) are specialised by their guards all the same, and so
+    # are sizes of 0 or 1: a row count that goes from 1 (packed rows) to several compiles once more.
     return torch.compile(forward, dynamic=True)
 
 

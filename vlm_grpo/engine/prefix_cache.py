@@ -150,6 +150,17 @@ def _layers_keep_cache(core: Any) -> Iterator[None]:
                 module._can_checkpoint_with_cache = attribute
 
 
+def _carries_gradients(cache: Any) -> bool:
+    """Whether any of the prompt cache's tensors (keys, values, convolution and recurrent states) requires grad."""
+    for layer in cache.layers:
+        tensors = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+        for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
+            tensors += list((states or {}).values())
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+            return True
+    return False
+
+
 def _emptied_for_recompute(cache: Any, config: Any) -> None:
     """`cache`'s layers replaced by new empty ones, as the prompt's forward found them: a checkpointed prompt layer
     recomputed in backward then reads no state (its forward read none) and writes where nothing reads it. The
@@ -240,6 +251,13 @@ def prefix_cache_logps(
             anchor = model(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1],
                            position_ids=positions[..., :-1], shift_labels=nothing, fused_lm_head=True,
                            **{cache_name: cache}, **vision, **extra).log_probs.sum() * 0  # fmt: skip
+        if anchor.requires_grad and not _carries_gradients(cache):
+            # A checkpoint that runs the layers without gradients (reentrant, however it was applied) detached the
+            # prompt's state: the prompt's layers would get no gradient through it, silently.
+            raise SharedPrefixUnsupported(
+                "the prompt's cache came out of its layers without gradients (reentrant activation checkpointing?): "
+                "non-reentrant checkpointing takes this path"
+            )
         continued = _continuation_cache(cache, index, core.config)
         _emptied_for_recompute(cache, core.config)
         # Each completion: [p, c_1 .. c_{T-1}] after its group's prompt state, predicting [c_1 .. c_T].

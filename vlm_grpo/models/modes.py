@@ -226,7 +226,9 @@ def apply_configured_checkpointing(model: nn.Module, args: Any) -> None:
     config says off, nor the other way round.
     """
     enabled, kwargs = checkpointing_from_args(args)
-    configured: bool | str = ("reentrant" if kwargs.get("use_reentrant") else True) if enabled else False
+    # transformers gives `{"use_reentrant": False}` for no kwargs; kwargs without it leave torch's default, reentrant.
+    reentrant = bool(kwargs) and kwargs.get("use_reentrant", True)
+    configured: bool | str = ("reentrant" if reentrant else True) if enabled else False
     found = checkpointing_mode(model)
     if configured and not getattr(model, "supports_gradient_checkpointing", True):
         return  # transformers' Trainer refuses it with its own message
