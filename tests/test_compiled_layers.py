@@ -193,3 +193,26 @@ def test_a_new_sequence_length_compiles_nothing_new(tiny_dir, fresh_dynamo):
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] == 2 and graphs[1:] == graphs[:1] * 2, graphs  # decoder attention and MLP, once each
     compiled.detach()
+
+
+@pytest.mark.trains
+def test_attention_given_a_cache_runs_as_written_not_one_graph_per_layer(tiny_dir, tmp_path, fresh_dynamo):
+    # Qwen3.5's training forward continues each prompt's cache (`engine.prefix_cache`). An attention module reaches its
+    # cache layer by `self.layer_idx`, on which Dynamo specialises: one graph per layer and cache class (6 here, 16 for
+    # Qwen3.5-4B, past Dynamo's limit of 8), so those calls run as written and the MLPs stay compiled.
+    trainer = _trainer(tiny_dir, tmp_path, "qwen3_5", lora="both", gc=True)
+    inputs = _batch(trainer, "qwen3_5")
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    eager_loss, eager = _loss_and_grads(trainer, inputs)
+    compiled = CompiledLayers()
+    assert compiled.attach(trainer.model) > 0
+    calls = trainer.shared_prefix_calls
+    for _ in range(2):
+        loss, grads = _loss_and_grads(trainer, inputs)
+    assert trainer.shared_prefix_calls == calls + 2  # the prompt-cache path served both
+    assert counters["stats"]["unique_graphs"] == 2  # the decoder's MLP and the vision tower's MLP
+    assert abs(loss - eager_loss) <= 1e-5 * abs(eager_loss) + 1e-7
+    for name, grad in eager.items():
+        assert (grads[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-8, name
+    compiled.detach()

@@ -14,7 +14,8 @@ inputs, not constants) and compilation does not grow with depth. Checkpointing s
 wraps the layer around the compiled children, and the recomputation in backward calls them again.
 
 When: only with gradients on and outside any other compilation, i.e. the policy's forward in the loss and its
-recomputation. Generation (compiled its own way), reference and old-policy log-probs (no gradients; they also run
+recomputation, and not for a call given a KV cache (Qwen3.5's prompt-cache scoring: Dynamo would compile one graph
+per layer, as the module finds its cache layer by `layer_idx`). Generation (compiled its own way), reference and old-policy log-probs (no gradients; they also run
 while the base weights come back from a merge, each layer waiting on a module hook that compiled code would skip:
 the trainer joins that restore before any forward with gradients) run the modules as written. Module hooks
 registered inside these modules after their first training step do not run in the training forward (Dynamo does
@@ -198,6 +199,17 @@ class _TrainingForward:
         self.forward = type(module).forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling() and not _given_cache(kwargs):
             return _compiled(self.forward)(self.module, *args, **kwargs)
         return self.forward(self.module, *args, **kwargs)
+
+
+# The names under which transformers' attention takes a KV cache, across versions.
+_CACHE_KWARGS = ("past_key_values", "cache", "past_key_value", "layer_past")
+
+
+def _given_cache(kwargs: dict[str, Any]) -> bool:
+    """Whether a KV cache is passed. A module reaches its cache layer by `self.layer_idx`, on which Dynamo specialises:
+    one graph per layer and cache class (the prompt-cache scorer's training forward, `engine.prefix_cache`), past
+    Dynamo's 8 per function the rest ran uncompiled anyway. Such calls run as written."""
+    return any(kwargs.get(name) is not None for name in _CACHE_KWARGS)
