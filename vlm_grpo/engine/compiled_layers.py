@@ -15,9 +15,10 @@ wraps the layer around the compiled children, and the recomputation in backward 
 
 When: only with gradients on and outside any other compilation, i.e. the policy's forward in the loss and its
 recomputation, and not for a call given a KV cache (Qwen3.5's prompt-cache scoring: Dynamo would compile one graph
-per layer, as the module finds its cache layer by `layer_idx`). Generation (compiled its own way), reference and old-policy log-probs (no gradients; they also run
-while the base weights come back from a merge, each layer waiting on a module hook that compiled code would skip:
-the trainer joins that restore before any forward with gradients) run the modules as written. Module hooks
+per layer, as the module finds its cache layer by `layer_idx`). Generation (compiled its own way), reference and
+old-policy log-probs (no gradients; they also run while the base weights come back from a merge, each layer waiting on
+a module hook that compiled code would skip: the trainer joins that restore before any forward with gradients) run the
+modules as written. Module hooks
 registered inside these modules after their first training step do not run in the training forward (Dynamo does
 not guard on hooks): `compile_layers=False` for such hooks. Not with reentrant checkpointing, whose first forward
 runs without gradients (eager) and whose recomputation would then run compiled: a dropout would draw another mask.

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionLayer
 
 from ..compat import cache_kwarg
 from ..families import core_model, family_of
@@ -117,8 +117,6 @@ class _ReadOnlyState(LinearAttentionLayer):
 
 def _continuation_cache(prompt_cache: Any, index: torch.Tensor, config: Any) -> Any:
     """A cache whose row i holds the prompt state row `index[i]` of `prompt_cache` left, read-only."""
-    from transformers import DynamicCache
-
     layers: list[Any] = []
     for layer in prompt_cache.layers:
         if hasattr(layer, "conv_states"):
@@ -165,8 +163,6 @@ def _emptied_for_recompute(cache: Any, config: Any) -> None:
     """`cache`'s layers replaced by new empty ones, as the prompt's forward found them: a checkpointed prompt layer
     recomputed in backward then reads no state (its forward read none) and writes where nothing reads it. The
     continuation holds the filled layers' tensors (`_continuation_cache`)."""
-    from transformers import DynamicCache
-
     cache.layers = DynamicCache(config=config).layers
 
 
@@ -231,48 +227,47 @@ def prefix_cache_logps(
     logps = torch.zeros(batch, logits_to_keep, device=input_ids.device)
     entropies = torch.zeros_like(logps) if compute_entropy else None
     results = []
-    for chunk in _chunks(groups, batch_size):
-        refs = torch.tensor([g.rows[0] for g in chunk], device=input_ids.device)
-        rows = torch.tensor([r for g in chunk for r in g.rows], device=input_ids.device)
-        index = torch.tensor([k for k, g in enumerate(chunk) for _ in g.rows], device=input_ids.device)
-        with_media = images is not None and any(images_per_row[r] or videos_per_row[r] for r in refs.tolist())
-        vision = images.vision_inputs(model_inputs, refs.tolist()) if with_media else {}
-        vision = {k: v.to(input_ids.device) for k, v in vision.items()}
-        prompt_ids, prompt_mask = input_ids[refs, :prompt_len], attention_mask[refs, :prompt_len]
-        prompt_types = type_ids[refs, :prompt_len] if type_ids is not None else None
-        positions, start = _positions(core, prompt_ids, prompt_mask, vision, prompt_types)
-        # The prompt once per group, into a cache, unchecked: its last token is fed again by each continuation.
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=core.config)
-        extra = {"mm_token_type_ids": prompt_types[:, :-1]} if prompt_types is not None else {}
-        nothing = torch.full_like(prompt_ids[:, :-1], -100)  # no label: the prompt's own log-probs are not needed
-        with _layers_keep_cache(core):
+    # Checkpointed layers keep the cache they are given, in the prompt's forward and in the continuation.
+    with _layers_keep_cache(core):
+        for chunk in _chunks(groups, batch_size):
+            refs = torch.tensor([g.rows[0] for g in chunk], device=input_ids.device)
+            rows = torch.tensor([r for g in chunk for r in g.rows], device=input_ids.device)
+            index = torch.tensor([k for k, g in enumerate(chunk) for _ in g.rows], device=input_ids.device)
+            with_media = images is not None and any(images_per_row[r] or videos_per_row[r] for r in refs.tolist())
+            vision = images.vision_inputs(model_inputs, refs.tolist()) if with_media else {}
+            vision = {k: v.to(input_ids.device) for k, v in vision.items()}
+            prompt_ids, prompt_mask = input_ids[refs, :prompt_len], attention_mask[refs, :prompt_len]
+            prompt_types = type_ids[refs, :prompt_len] if type_ids is not None else None
+            positions, start = _positions(core, prompt_ids, prompt_mask, vision, prompt_types)
+            # The prompt once per group, into a cache: its last token is fed again by each continuation.
+            cache = DynamicCache(config=core.config)
+            extra = {"mm_token_type_ids": prompt_types[:, :-1]} if prompt_types is not None else {}
+            nothing = torch.full_like(prompt_ids[:, :-1], -100)  # no label: the prompt's log-probs are not needed
             anchor = model(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1],
                            position_ids=positions[..., :-1], shift_labels=nothing, fused_lm_head=True,
                            **{cache_name: cache}, **vision, **extra).log_probs.sum() * 0  # fmt: skip
-        if anchor.requires_grad and not _carries_gradients(cache):
-            # A checkpoint that runs the layers without gradients (reentrant, however it was applied) detached the
-            # prompt's state: the prompt's layers would get no gradient through it, silently.
-            raise SharedPrefixUnsupported(
-                "the prompt's cache came out of its layers without gradients (reentrant activation checkpointing?): "
-                "non-reentrant checkpointing takes this path"
-            )
-        continued = _continuation_cache(cache, index, core.config)
-        _emptied_for_recompute(cache, core.config)
-        # Each completion: [p, c_1 .. c_{T-1}] after its group's prompt state, predicting [c_1 .. c_T].
-        completion_mask = attention_mask[rows, prompt_len:]
-        step = torch.arange(logits_to_keep - 1, device=input_ids.device)
-        first = positions[..., -1:].index_select(-2, index)
-        rest = start.index_select(0, index)[:, None] + step[None]
-        positions = torch.cat([first, rest.expand(first.shape[:-1] + rest.shape[-1:])], dim=-1)
-        continuation = torch.cat([input_ids[rows, prompt_len - 1 : prompt_len], input_ids[rows, prompt_len:-1]], -1)
-        mask = torch.cat([prompt_mask[index, :-1], torch.ones_like(index)[:, None], completion_mask[:, :-1]], -1)
-        labels = torch.where(completion_mask > 0, input_ids[rows, prompt_len:], -100)
-        with _layers_keep_cache(core):
+            if anchor.requires_grad and not _carries_gradients(cache):
+                # A checkpoint that runs the layers without gradients (reentrant, however it was applied) detached
+                # the prompt's state: the prompt's layers would get no gradient through it, silently.
+                raise SharedPrefixUnsupported(
+                    "the prompt's cache came out of its layers without gradients (reentrant activation "
+                    "checkpointing?): non-reentrant checkpointing takes this path"
+                )
+            continued = _continuation_cache(cache, index, core.config)
+            _emptied_for_recompute(cache, core.config)
+            # Each completion: [p, c_1 .. c_{T-1}] after its group's prompt state, predicting [c_1 .. c_T].
+            completion_mask = attention_mask[rows, prompt_len:]
+            step = torch.arange(logits_to_keep - 1, device=input_ids.device)
+            first = positions[..., -1:].index_select(-2, index)
+            rest = start.index_select(0, index)[:, None] + step[None]
+            positions = torch.cat([first, rest.expand(first.shape[:-1] + rest.shape[-1:])], dim=-1)
+            last = input_ids[rows, prompt_len - 1 : prompt_len]
+            continuation = torch.cat([last, input_ids[rows, prompt_len:-1]], -1)
+            mask = torch.cat([prompt_mask[index, :-1], torch.ones_like(index)[:, None], completion_mask[:, :-1]], -1)
+            labels = torch.where(completion_mask > 0, input_ids[rows, prompt_len:], -100)
             out = model(input_ids=continuation, attention_mask=mask, position_ids=positions, shift_labels=labels,
                         fused_lm_head=True, **{cache_name: continued})  # fmt: skip
-        results.append((rows, out.log_probs + anchor, out.entropy if compute_entropy else None))
+            results.append((rows, out.log_probs + anchor, out.entropy if compute_entropy else None))
     for rows, chunk_logps, chunk_entropies in results:
         logps = logps.index_put((rows,), chunk_logps)
         if compute_entropy:
