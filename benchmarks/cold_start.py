@@ -71,7 +71,8 @@ def rows(runs: dict) -> list[dict]:
                           "training_s": first["training_s"], "load_s": worker.get("load_s"),
                           "next_s": steps[1]["total_s"] if len(steps) > 1 else None,
                           "compiled_graphs": worker.get("compiled_graphs"),
-                          "compile_s": worker.get("compile_s") or {}})  # fmt: skip
+                          "compile_s": worker.get("compile_s") or {},
+                          "compile_frames": worker.get("compile_frames") or []})  # fmt: skip
         for trainer, why in run["results"].get("failures", {}).items():
             table.append({"run": name, "trainer": trainer, "failed": why})
     return table
@@ -102,6 +103,14 @@ def markdown(table: list[dict], args: argparse.Namespace, env: dict | None) -> s
         lines.append(f"| {r['run']} | {r['trainer']} | {r['first_s']:.1f} | {r['generation_s']:.1f} | "
                      f"{r['scoring_s']:.1f} | {r['training_s']:.1f} | {r['load_s']:.1f} | {nxt} | "
                      f"{r['compiled_graphs']} | {_compiling(r.get('compile_s') or {})} |")  # fmt: skip
+    frames = [(r["run"], r["trainer"], f) for r in table for f in r.get("compile_frames") or []]
+    if frames:  # which graph each run's compile time went to, the largest first
+        lines += ["", "| run | trainer | compiled frame | backward | all s | Inductor s | code generation s | Triton s | ops |",
+                  "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for run, trainer, f in sorted(frames, key=lambda x: -x[2]["compile_s"])[:12]:
+            lines.append(f"| {run} | {trainer} | `{f['frame']}` | {'yes' if f.get('backward') else ''} | "
+                         f"{f['compile_s']:.1f} | {f['inductor_s']:.1f} | {f['code_gen_s']:.1f} | "
+                         f"{f.get('triton_s', 0.0):.1f} | {f.get('graph_ops') or ''} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

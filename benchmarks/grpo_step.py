@@ -71,6 +71,7 @@ VLM_VARIANTS = {
     "vlm-grpo-plain": {"fast_generation": False},
     "vlm-grpo-light": {"fast_generation_quantized": "light"},
     "vlm-grpo-off": {"fast_generation": False, "shared_prefix": False},  # both fast paths off: the video baseline
+    "vlm-grpo-rowwise": {"shared_prefix": False},  # fast generation, but every row scored whole (TRL's per-row path)
     "vlm-grpo-vllm": VLLM_SETTINGS,  # rollouts through vLLM (engine/vllm_rollouts.py); min_new_tokens renamed for it
     "vlm-grpo-round3": {},  # the engine as the third decode round left it (GENERATOR_VARIANTS)
     "vlm-grpo-whole": {},  # the decode step compiled as one whole graph, not per decoder layer (GENERATOR_VARIANTS)
@@ -90,12 +91,8 @@ def parse_args(argv=None):
         "--model", default="qwen2.5-vl-3b", help="qwen2.5-vl-3b or qwen2.5-vl-7b (random weights); tiny: CPU smoke test"
     )
     p.add_argument("--image_size", type=int, default=448, help="side of the square synthetic images (or frames)")
-    p.add_argument(
-        "--video_frames",
-        type=int,
-        default=0,
-        help="frames per clip: every prompt holds a clip instead of an image (0: images)",
-    )
+    p.add_argument("--video_frames", type=int, default=0,
+                   help="frames per clip: every prompt holds a clip instead of an image (0: images)")  # fmt: skip
     p.add_argument("--prompts", type=int, default=2, help="prompts per step")
     p.add_argument("--num_generations", type=int, default=8, help="completions per prompt")
     p.add_argument("--completion_length", type=int, default=256, help="forced new tokens per completion")
@@ -211,7 +208,7 @@ def run_worker(args) -> None:
     if args.video_frames:  # every frame kept: the clip is the benchmark's input, not the sampler's choice
         common["video_num_frames"] = args.video_frames
     records: list = []
-    from step_timing import compile_seconds, step_timer, timed
+    from step_timing import compile_frames, compile_seconds, step_timer, timed
 
     timer = step_timer(records, args.profile_step)
     load_start = time.perf_counter()
@@ -297,6 +294,7 @@ def run_worker(args) -> None:
               "sampler_gap": gaps,
               "params": sum(p.numel() for p in trainer.model.parameters()),
               "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"], "compile_s": compile_seconds(),
+              "compile_frames": compile_frames(),  # which graph a first step's compile went to (issue #48)
               "fast_generation": dict(getattr(getattr(trainer, "fast_generator", None), "stats", {})),
               "quantized_generation": (trainer.fast_generator.describe_quantized()
                                        if hasattr(trainer, "fast_generator") else {}),

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 
@@ -118,3 +119,36 @@ def compile_seconds(least: float = 0.1) -> dict[str, float]:
         }
     except Exception:  # noqa: BLE001 (a private API: a report without it, never a failed benchmark)
         return {}
+
+
+def compile_frames(least: float = 0.5) -> list[dict]:
+    """One entry per frame torch.compile compiled in this process that took `least` seconds or more (Dynamo's
+    compilation metrics): the function (`file:line name`), its whole compile, Inductor's part and the code generation
+    and Triton builds inside it, and the graph's size. `compile_seconds` says which stage a first step's compile spent
+    its time in; this says which graph (the decode layer, the training layers forward or backward, the vision tower).
+    Empty where torch does not say."""
+    try:
+        from torch._dynamo.utils import get_compilation_metrics
+
+        frames = []
+        for m in get_compilation_metrics():
+            whole = getattr(m, "entire_frame_compile_time_s", None) or 0.0
+            if whole < least:
+                continue
+            us = {"triton_s": "triton_compile_time_us", "pre_grad_s": "pre_grad_pass_time_us",
+                  "post_grad_s": "post_grad_pass_time_us", "joint_graph_s": "joint_graph_pass_time_us"}  # fmt: skip
+            frame = {
+                "frame": f"{os.path.basename(m.co_filename or '?')}:{m.co_firstlineno} {m.co_name}",
+                "compile_s": round(whole, 2),
+                "backend_s": round(getattr(m, "backend_compile_time_s", None) or 0.0, 2),
+                "inductor_s": round(getattr(m, "inductor_compile_time_s", None) or 0.0, 2),
+                "code_gen_s": round(getattr(m, "code_gen_time_s", None) or 0.0, 2),
+                **{k: round((getattr(m, v, None) or 0) / 1e6, 2) for k, v in us.items()},
+                "graph_ops": getattr(m, "graph_op_count", None),
+                "restarts": len(getattr(m, "restart_reasons", None) or ()),
+                "backward": bool(getattr(m, "is_runtime", False)),  # AOTAutograd's lazy backward compile
+            }
+            frames.append(frame)
+        return frames
+    except Exception:  # noqa: BLE001 (a private API: a report without it, never a failed benchmark)
+        return []

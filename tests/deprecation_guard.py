@@ -55,8 +55,13 @@ def _check(message: str, frame) -> None:
         return
     # The library that raised it owns the deprecated API, even a plumbing one: torch deprecating its own
     # `torch.jit.script_method`, used by bitsandbytes as it imports, is bitsandbytes' call, not the importing test's.
+    # A module's own import is the caller of whatever its body calls: reaching the import machinery before any frame
+    # of ours means a third-party module made the call as it was imported (torch's `torch.utils.mkldnn` decorating
+    # with its own deprecated `script_method` when torch.compile first imports it), not the code that imported it.
     emitter = _package(frame)
     while frame is not None and (_is_plumbing(frame) or _package(frame) == emitter):
+        if _package(frame) == "importlib":
+            return
         frame = frame.f_back
     if frame is not None and _is_ours(frame):
         where = f"{os.path.relpath(frame.f_code.co_filename, _PACKAGE_DIR)}:{frame.f_lineno}"

@@ -1,6 +1,7 @@
 """vlm_grpo.compat speaks the installed transformers' names, quietly; the deprecation guard catches our own calls."""
 
 import contextlib
+import importlib
 import inspect
 import sys
 import types
@@ -138,6 +139,20 @@ def test_guard_leaves_a_plumbing_librarys_deprecation_raised_under_another_libra
         torch_api()  # called by us: ours
     found, deprecation_guard.found[:] = list(deprecation_guard.found), []
     assert found == [f"tests/test_compat.py:{line}: old_api is deprecated"]
+
+
+def test_guard_leaves_a_librarys_deprecated_call_made_as_it_is_imported_to_the_filters(tmp_path, monkeypatch):
+    # torch.compile's first use imports torch.utils.mkldnn, whose class body calls torch's own deprecated
+    # `torch.jit.script_method`: torch's call, though the only non-torch frame on the stack is the test's.
+    package = tmp_path / "somelib_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("import warnings\nwarnings.warn('old_api is deprecated', FutureWarning)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        importlib.import_module("somelib_pkg")
+    monkeypatch.delitem(sys.modules, "somelib_pkg")
+    assert deprecation_guard.found == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
