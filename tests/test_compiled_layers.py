@@ -128,7 +128,7 @@ def test_linear_attention_layers_compile_with_convolution_and_scan_left_eager_an
     tiny_dir, fresh_dynamo
 ):
     # Qwen3.5's gated delta net (LoRA on its projections): outputs and gradients as eager at 2 to 5 chunks of 64
-    # tokens, and no new graph at a new length (the lengths of packed training rows change every step): the
+    # tokens, and no graph per length (the lengths of packed training rows change every step): the
     # scan's Python loop and the convolution's backward, which recompile per length when compiled, run eagerly.
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
@@ -163,7 +163,8 @@ def test_linear_attention_layers_compile_with_convolution_and_scan_left_eager_an
         for grad, reference in zip(grads, eager[n][1], strict=True):
             assert (grad - reference).norm() <= 1e-4 * reference.norm() + 1e-8, n
         graphs.append(counters["stats"]["unique_graphs"])
-    assert graphs[0] > 0 and graphs == graphs[:1] * 4, graphs  # compiled once, and no new length compiles again
+    # Static first, with the length as a symbol at the first new length (torch's default), never again after that.
+    assert graphs[0] > 0 and graphs == [graphs[0]] + [2 * graphs[0]] * 3, graphs
     assert all(getattr(getattr(modeling_qwen3_5, name), "_left_eager", False) for name in LEFT_EAGER)
     compiled.detach()
     assert "forward" not in vars(layer)
@@ -177,22 +178,31 @@ def test_the_trainer_compiles_linear_attention_only_when_asked(tiny_dir, tmp_pat
     assert len(asked.compiled_layers.modules) == len(plain.compiled_layers.modules) + len(linear)
 
 
-def test_a_new_sequence_length_compiles_nothing_new(tiny_dir, fresh_dynamo):
-    # The packed training rows' length changes every step. The first compile takes the length as a symbol, so a
-    # second length runs the same graphs (a static first graph compiled again, dynamic, at the first new length: on the
-    # H100 that was step 4-100 of a soak whose lengths rarely changed).
+@pytest.mark.parametrize("dynamic, expected", [(None, [2, 4, 4]), (True, [2, 2, 2])])
+def test_new_sequence_lengths_compile_once_more_at_most(tiny_dir, fresh_dynamo, dynamic, expected):
+    # The training rows' length changes every step. torch's default compiles a static graph, then at the first new
+    # length one with the length as a symbol, which every later length runs; `compile_layers_dynamic=True` takes the
+    # length as a symbol from the first compile (one compile; on an H200 a slower one, see `_compiled`).
     model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl", words=COLORS), full_finetuning=False)
     model = FastVisionModel.get_peft_model(model, r=4, init_lora_weights=False)
     model.train()
     compiled = CompiledLayers()
-    assert compiled.attach(model) > 0
+    assert compiled.attach(model, dynamic=dynamic) > 0
     graphs = []
     for length in (37, 90, 141):
         ids = torch.randint(0, model.config.get_text_config().vocab_size - 10, (1, length))
         model(input_ids=ids).logits.float().square().mean().backward()
         graphs.append(counters["stats"]["unique_graphs"])
-    assert graphs[0] == 2 and graphs[1:] == graphs[:1] * 2, graphs  # decoder attention and MLP, once each
+    assert graphs == expected, graphs  # the decoder's attention and MLP: once each, or twice
     compiled.detach()
+
+
+def test_the_trainer_passes_its_dynamic_setting_to_the_compiled_layers(tiny_dir, tmp_path):
+    for setting in (None, True):
+        trainer = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", compile_layers=True,
+                           compile_layers_dynamic=setting)  # fmt: skip
+        forwards = [vars(m)["forward"] for m in trainer.compiled_layers.modules]
+        assert forwards and all(f.dynamic is setting for f in forwards)
 
 
 @pytest.mark.trains
@@ -208,10 +218,14 @@ def test_attention_given_a_cache_runs_as_written_not_one_graph_per_layer(tiny_di
     compiled = CompiledLayers()
     assert compiled.attach(trainer.model) > 0
     calls = trainer.shared_prefix_calls
+    graphs = []
     for _ in range(2):
         loss, grads = _loss_and_grads(trainer, inputs)
+        graphs.append(counters["stats"]["unique_graphs"])
     assert trainer.shared_prefix_calls == calls + 2  # the prompt-cache path served both
-    assert counters["stats"]["unique_graphs"] == 2  # the decoder's MLP and the vision tower's MLP
+    # The decoder's MLP (static at the prompt's length, then with the length a symbol for the continuation) and the
+    # vision tower's MLP; none for the attention layers, none more in the second step.
+    assert graphs == [3, 3], graphs
     assert abs(loss - eager_loss) <= 1e-5 * abs(eager_loss) + 1e-7
     for name, grad in eager.items():
         assert (grads[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-8, name

@@ -87,14 +87,16 @@ def unsupported_reason(model: nn.Module) -> str | None:
 
 
 @functools.cache
-def _compiled(forward: Any) -> Any:
-    # One compiled function per class forward, shared by every instance. `dynamic=True`: the rows' count and length
-    # are symbols from the first compile (the packed rows' length changes every step). With `dynamic=None` the first
-    # graph was static and the first new length compiled a dynamic one: two compilations, the second whenever a
-    # length first changed (step 2 of a real run; step 4-100 of a soak with forced lengths, measured on the H100).
-    # Sizes that meet a weight's (the hidden size, the heads) are specialised by their guards all the same, and so
-    # are sizes of 0 or 1: a row count that goes from 1 (packed rows) to several compiles once more.
-    return torch.compile(forward, dynamic=True)
+def _compiled(forward: Any, dynamic: bool | None = None) -> Any:
+    # One compiled function per class forward (and `dynamic` setting), shared by every instance. `dynamic=None`, the
+    # default: torch's choice, a static graph first and, at the first new length, one with the sizes that changed as
+    # symbols (step 2 of a real run, whose lengths are sampled). `dynamic=True`: every size a symbol from the first
+    # compile, one compile where there are two. On the CPU that was quicker (a soak's steps 1 + 2: 11.9 s against
+    # 15.1 + 11.3 s); on an H200 it was not: the 3B's training layers took 78 s of a fresh first step (Inductor's code
+    # generation 55 s) against 20.7 s static on an H100, and 61.5 s again in a later process (docs/benchmarks.md).
+    # Sizes that meet a weight's (the hidden size, the heads) are specialised by their guards all the same, and so are
+    # sizes of 0 or 1.
+    return torch.compile(forward, dynamic=dynamic)
 
 
 class CompiledLayers:
@@ -105,12 +107,13 @@ class CompiledLayers:
         self._said: set[str] = set()
 
     def attach_as_configured(
-        self, model: nn.Module, setting: bool | None, blocked_by: str | None = None, linear_attention: bool = False
-    ) -> None:
+        self, model: nn.Module, setting: bool | None, blocked_by: str | None = None, linear_attention: bool = False,
+        dynamic: bool | None = None,
+    ) -> None:  # fmt: skip
         """`attach` as `VLMGRPOConfig.compile_layers` asks: None is on for a model on a GPU (where the training phase
         is host-bound), False off. `blocked_by` names a trainer setting that rules it out (torch_compile, sharded
         layers); that, or what `unsupported_reason` finds, leaves the layers uncompiled, said once when they were
-        asked for by name. `linear_attention`: the linear-attention layers too. Idempotent; compiled forwards another trainer left on the model are removed first (this
+        asked for by name. `linear_attention`: the linear-attention layers too; `dynamic`: `torch.compile`'s. Idempotent; compiled forwards another trainer left on the model are removed first (this
         config decides)."""
         if not self.modules:
             detach_all(model)
@@ -123,12 +126,12 @@ class CompiledLayers:
                 logger.warning("compile_layers=True, but the layers are left uncompiled: %s.", reason)
             return
         before = len(self.modules)
-        count = self.attach(model, linear_attention)
+        count = self.attach(model, linear_attention, dynamic)
         if count != before:
             logger.info("Compiled the training forward of %d attention / MLP modules (the first step compiles them).",
                         count)  # fmt: skip
 
-    def attach(self, model: nn.Module, linear_attention: bool = False) -> int:
+    def attach(self, model: nn.Module, linear_attention: bool = False, dynamic: bool | None = None) -> int:
         """Give the `COMPILED_CHILDREN` of every checkpointable layer of `model` (and with `linear_attention` its
         `LINEAR_ATTENTION_CHILD`) their compiled training forward; returns how many modules have one. Idempotent; a
         module whose forward someone else replaced is left alone."""
@@ -139,7 +142,7 @@ class CompiledLayers:
                 if isinstance(child, nn.Module) and "forward" not in child.__dict__:
                     if name == LINEAR_ATTENTION_CHILD:
                         _leave_eager(child)
-                    child.forward = _TrainingForward(child)
+                    child.forward = _TrainingForward(child, dynamic)
                     self.modules.append(child)
         return len(self.modules)
 
@@ -195,13 +198,13 @@ class _TrainingForward:
     """A module's forward: its class's compiled forward when gradients are on (and nothing else is compiling), its
     own forward otherwise."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
+    def __init__(self, module: nn.Module, dynamic: bool | None = None) -> None:
+        self.module, self.dynamic = module, dynamic
         self.forward = type(module).forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled() and not torch.compiler.is_compiling() and not _given_cache(kwargs):
-            return _compiled(self.forward)(self.module, *args, **kwargs)
+            return _compiled(self.forward, self.dynamic)(self.module, *args, **kwargs)
         return self.forward(self.module, *args, **kwargs)
 
 

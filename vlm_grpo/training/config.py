@@ -193,6 +193,12 @@ class VLMGRPOConfig(GRPOConfig):
                   "(Qwen3.5's gated delta net: projections, gates, gated norm; its short convolution and chunked "
                   "scan stay eager). The same loss and gradients; off until its GPU speed is measured."},
     )  # fmt: skip
+    compile_layers_dynamic: bool | None = field(
+        default=None,
+        metadata={"help": "With compile_layers: torch.compile's `dynamic`. None (torch's choice): a static graph "
+                  "first, and one with the changing lengths as symbols at the first new length. True: dynamic shapes "
+                  "from the first compile (one compile, not two; on an H200 its code generation took ~1 minute)."},
+    )  # fmt: skip
     compile_cache_dir: str | None = field(
         default=None,
         metadata={"help": "Where compiled code is kept for later runs, on this machine or another (torch's portable "

@@ -199,17 +199,17 @@ class VLMGRPOTrainer(GRPOTrainer):
             self.add_callback(DynamicSamplingState())  # carries its position into checkpoints
 
     def _compile_layers(self) -> None:
-        # FSDP2 keeps each layer's modules and unshards their weights before the layer runs: compiled before
-        # accelerate shards the model (torchtitan's order), they train as on one GPU. FSDP1's flat parameters and
-        # DeepSpeed's partitions are not read through the modules.
+        # Compiled before accelerate shards the model (torchtitan's order): FSDP2 keeps each layer's modules, unsharding
+        # their weights as the layer runs; FSDP1's flat parameters and DeepSpeed's partitions are not read through them.
         fsdp1 = self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2
         blocked_by = (
             "torch_compile compiles the whole model" if self.args.torch_compile
             else "sharded (FSDP1 / DeepSpeed) layers" if fsdp1 or self.is_deepspeed_enabled else None
         )  # fmt: skip
-        args, unwrapped = self.args, self.accelerator.unwrap_model(self.model)
-        self.compiled_layers.attach_as_configured(unwrapped, getattr(args, "compile_layers", None), blocked_by,
-                                                  getattr(args, "compile_linear_attention", False))  # fmt: skip
+        a, unwrapped = self.args, self.accelerator.unwrap_model(self.model)
+        self.compiled_layers.attach_as_configured(unwrapped, getattr(a, "compile_layers", None), blocked_by,
+                                                  getattr(a, "compile_linear_attention", False),
+                                                  getattr(a, "compile_layers_dynamic", None))  # fmt: skip
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`, after checking this TRL can compute GRPO log-probs on this device.
