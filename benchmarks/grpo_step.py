@@ -78,7 +78,8 @@ VLM_VARIANTS = {
     "vlm-grpo-eager-layers": {"compile_layers": False},  # the layers' training forward and backward run eagerly
     "vlm-grpo-compiled": {"compile_layers": True},  # compiled layers asked for by name (on CPU too: the smoke test)
     "vlm-grpo-compiled-la": {"compile_linear_attention": True},  # Qwen3.5's linear-attention layers compiled too
-    "vlm-grpo-dynamic": {"compile_layers_dynamic": True},  # the layers compiled with dynamic shapes from the start
+    "vlm-grpo-dynamic": {"compile_layers_dynamic": "all"},  # the layers compiled with dynamic shapes from the start
+    "vlm-grpo-length": {"compile_layers_dynamic": "length"},  # ... with the rows' length a symbol from the start
 }
 # Variants set on the trainer's FastGenerator: `vlm-grpo-round3` samples on the host after the recorded forward and
 # copies the base weights back before the scoring forward, not beside it (engine/token_loop.py, engine/lora_merge.py).

@@ -178,31 +178,50 @@ def test_the_trainer_compiles_linear_attention_only_when_asked(tiny_dir, tmp_pat
     assert len(asked.compiled_layers.modules) == len(plain.compiled_layers.modules) + len(linear)
 
 
-@pytest.mark.parametrize("dynamic, expected", [(None, [2, 4, 4]), (True, [2, 2, 2])])
-def test_new_sequence_lengths_compile_once_more_at_most(tiny_dir, fresh_dynamo, dynamic, expected):
-    # The training rows' length changes every step. torch's default compiles a static graph, then at the first new
-    # length one with the length as a symbol, which every later length runs; `compile_layers_dynamic=True` takes the
-    # length as a symbol from the first compile (one compile; on an H200 a slower one, see `_compiled`).
+@pytest.mark.parametrize("shapes, expected", [("auto", [2, 4, 4]), ("length", [2, 2, 2]), ("all", [2, 2, 2])])
+def test_new_sequence_lengths_compile_once_more_at_most(tiny_dir, fresh_dynamo, shapes, expected):
+    # The training rows' length changes every step. torch's default ("auto") compiles a static graph, then at the first
+    # new length one with the length as a symbol, which every later length runs; "length" compiles that graph from the
+    # first call, "all" every size a symbol (one compile; on an H200 a slow one, see `SHAPE_MODES`). The loss and
+    # every gradient are the eager ones at each length.
     model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl", words=COLORS), full_finetuning=False)
     model = FastVisionModel.get_peft_model(model, r=4, init_lora_weights=False)
     model.train()
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    vocab = model.config.get_text_config().vocab_size - 10
+
+    def loss_and_grads(length):
+        ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length))
+        for p in lora:
+            p.grad = None
+        loss = model(input_ids=ids).logits.float().square().mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in lora if p.grad is not None]  # the text model's
+
+    lengths = (37, 90, 141)
+    eager = {n: loss_and_grads(n) for n in lengths}
+    assert len(eager[37][1]) > 20
     compiled = CompiledLayers()
-    assert compiled.attach(model, dynamic=dynamic) > 0
+    assert compiled.attach(model, shapes=shapes) > 0
     graphs = []
-    for length in (37, 90, 141):
-        ids = torch.randint(0, model.config.get_text_config().vocab_size - 10, (1, length))
-        model(input_ids=ids).logits.float().square().mean().backward()
+    for n in lengths:
+        loss, grads = loss_and_grads(n)
+        assert abs(loss - eager[n][0]) <= 1e-5 * abs(eager[n][0]), (n, loss, eager[n][0])
+        for grad, reference in zip(grads, eager[n][1], strict=True):
+            assert (grad - reference).norm() <= 1e-4 * reference.norm() + 1e-8, n
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs == expected, graphs  # the decoder's attention and MLP: once each, or twice
     compiled.detach()
 
 
-def test_the_trainer_passes_its_dynamic_setting_to_the_compiled_layers(tiny_dir, tmp_path):
-    for setting in (None, True):
+def test_the_trainer_passes_its_shape_setting_to_the_compiled_layers_and_refuses_others(tiny_dir, tmp_path):
+    for setting in ("auto", "length"):
         trainer = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", compile_layers=True,
                            compile_layers_dynamic=setting)  # fmt: skip
         forwards = [vars(m)["forward"] for m in trainer.compiled_layers.modules]
-        assert forwards and all(f.dynamic is setting for f in forwards)
+        assert forwards and all(f.shapes == setting for f in forwards)
+    with pytest.raises(ValueError, match="compile_layers_dynamic must be 'auto', 'length' or 'all', got True"):
+        VLMGRPOConfig(output_dir=str(tmp_path), compile_layers_dynamic=True)
 
 
 @pytest.mark.trains

@@ -50,7 +50,8 @@ from ..integrations.unsloth import uses_unsloth
 from ..models.modes import checkpointing_mode
 from .quantized_generation import is_quantized_linear
 
-__all__ = ["COMPILED_CHILDREN", "CompiledLayers", "detach_all", "training_forwards_aside", "unsupported_reason"]
+__all__ = ["COMPILED_CHILDREN", "SHAPE_MODES", "CompiledLayers", "detach_all", "training_forwards_aside",
+           "unsupported_reason"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -86,17 +87,36 @@ def unsupported_reason(model: nn.Module) -> str | None:
     return None
 
 
+# How the compiled layers treat sizes (`VLMGRPOConfig.compile_layers_dynamic`): torch.compile's `dynamic` for each.
+# "auto" (torch's default): a static graph first and, at the first new length, one with the sizes that changed as
+# symbols (step 2 of a real run, whose lengths are sampled). "all" (`dynamic=True`): every size a symbol from the
+# first compile. On the CPU that was one quick compile instead of two (a soak's steps 1 + 2: 11.9 s against
+# 15.1 + 11.3 s); on an H200 it was slow: the 3B's training layers took 78 s of a fresh first step (Inductor's code
+# generation 55 s) against 20.7 s static on an H100, and 61.5 s again in a later process (docs/benchmarks.md).
+# "length": the graph "auto" compiles at the first new length, from the first call: the rows' length (the sizes of
+# every input that equal the hidden states' next-to-last size) marked dynamic, the rest static. Sizes that meet a
+# weight's (the hidden size, the heads) are specialised by their guards all the same, and so are sizes of 0 or 1.
+SHAPE_MODES = {"auto": None, "length": None, "all": True}
+
+
 @functools.cache
 def _compiled(forward: Any, dynamic: bool | None = None) -> Any:
-    # One compiled function per class forward (and `dynamic` setting), shared by every instance. `dynamic=None`, the
-    # default: torch's choice, a static graph first and, at the first new length, one with the sizes that changed as
-    # symbols (step 2 of a real run, whose lengths are sampled). `dynamic=True`: every size a symbol from the first
-    # compile, one compile where there are two. On the CPU that was quicker (a soak's steps 1 + 2: 11.9 s against
-    # 15.1 + 11.3 s); on an H200 it was not: the 3B's training layers took 78 s of a fresh first step (Inductor's code
-    # generation 55 s) against 20.7 s static on an H100, and 61.5 s again in a later process (docs/benchmarks.md).
-    # Sizes that meet a weight's (the hidden size, the heads) are specialised by their guards all the same, and so are
-    # sizes of 0 or 1.
+    # One compiled function per class forward (and `dynamic` setting), shared by every instance.
     return torch.compile(forward, dynamic=dynamic)
+
+
+def _mark_length_dynamic(args: tuple, kwargs: dict[str, Any]) -> None:
+    """Mark, on every tensor argument (and those in tuples: rotary cos / sin), each dimension whose size is the rows'
+    length (the first tensor's next-to-last size: [rows, length, hidden], or [patches, hidden] for vision blocks)."""
+    tensors = [a for v in (*args, *kwargs.values()) for a in (v if isinstance(v, (tuple, list)) else (v,))]
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if not tensors or tensors[0].dim() < 2 or tensors[0].shape[-2] < 2:
+        return
+    length = tensors[0].shape[-2]
+    for t in tensors:
+        for dim, size in enumerate(t.shape):
+            if size == length:
+                torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
 class CompiledLayers:
@@ -108,12 +128,12 @@ class CompiledLayers:
 
     def attach_as_configured(
         self, model: nn.Module, setting: bool | None, blocked_by: str | None = None, linear_attention: bool = False,
-        dynamic: bool | None = None,
+        shapes: str = "auto",
     ) -> None:  # fmt: skip
         """`attach` as `VLMGRPOConfig.compile_layers` asks: None is on for a model on a GPU (where the training phase
         is host-bound), False off. `blocked_by` names a trainer setting that rules it out (torch_compile, sharded
         layers); that, or what `unsupported_reason` finds, leaves the layers uncompiled, said once when they were
-        asked for by name. `linear_attention`: the linear-attention layers too; `dynamic`: `torch.compile`'s. Idempotent; compiled forwards another trainer left on the model are removed first (this
+        asked for by name. `linear_attention`: the linear-attention layers too; `shapes`: a `SHAPE_MODES` key. Idempotent; compiled forwards another trainer left on the model are removed first (this
         config decides)."""
         if not self.modules:
             detach_all(model)
@@ -126,12 +146,12 @@ class CompiledLayers:
                 logger.warning("compile_layers=True, but the layers are left uncompiled: %s.", reason)
             return
         before = len(self.modules)
-        count = self.attach(model, linear_attention, dynamic)
+        count = self.attach(model, linear_attention, shapes)
         if count != before:
             logger.info("Compiled the training forward of %d attention / MLP modules (the first step compiles them).",
                         count)  # fmt: skip
 
-    def attach(self, model: nn.Module, linear_attention: bool = False, dynamic: bool | None = None) -> int:
+    def attach(self, model: nn.Module, linear_attention: bool = False, shapes: str = "auto") -> int:
         """Give the `COMPILED_CHILDREN` of every checkpointable layer of `model` (and with `linear_attention` its
         `LINEAR_ATTENTION_CHILD`) their compiled training forward; returns how many modules have one. Idempotent; a
         module whose forward someone else replaced is left alone."""
@@ -142,7 +162,7 @@ class CompiledLayers:
                 if isinstance(child, nn.Module) and "forward" not in child.__dict__:
                     if name == LINEAR_ATTENTION_CHILD:
                         _leave_eager(child)
-                    child.forward = _TrainingForward(child, dynamic)
+                    child.forward = _TrainingForward(child, shapes)
                     self.modules.append(child)
         return len(self.modules)
 
@@ -198,13 +218,17 @@ class _TrainingForward:
     """A module's forward: its class's compiled forward when gradients are on (and nothing else is compiling), its
     own forward otherwise."""
 
-    def __init__(self, module: nn.Module, dynamic: bool | None = None) -> None:
-        self.module, self.dynamic = module, dynamic
+    def __init__(self, module: nn.Module, shapes: str = "auto") -> None:
+        if shapes not in SHAPE_MODES:
+            raise ValueError(f"compile_layers_dynamic must be one of {', '.join(SHAPE_MODES)}, got {shapes!r}.")
+        self.module, self.shapes = module, shapes
         self.forward = type(module).forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled() and not torch.compiler.is_compiling() and not _given_cache(kwargs):
-            return _compiled(self.forward, self.dynamic)(self.module, *args, **kwargs)
+            if self.shapes == "length":
+                _mark_length_dynamic(args, kwargs)
+            return _compiled(self.forward, SHAPE_MODES[self.shapes])(self.module, *args, **kwargs)
         return self.forward(self.module, *args, **kwargs)
 
 

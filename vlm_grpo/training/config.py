@@ -193,11 +193,12 @@ class VLMGRPOConfig(GRPOConfig):
                   "(Qwen3.5's gated delta net: projections, gates, gated norm; its short convolution and chunked "
                   "scan stay eager). The same loss and gradients; off until its GPU speed is measured."},
     )  # fmt: skip
-    compile_layers_dynamic: bool | None = field(
-        default=None,
-        metadata={"help": "With compile_layers: torch.compile's `dynamic`. None (torch's choice): a static graph "
-                  "first, and one with the changing lengths as symbols at the first new length. True: dynamic shapes "
-                  "from the first compile (one compile, not two; on an H200 its code generation took ~1 minute)."},
+    compile_layers_dynamic: str = field(
+        default="auto",
+        metadata={"help": "With compile_layers, how sizes are compiled: 'auto' (torch's default) a static graph "
+                  "first, then one with the changing lengths as symbols at the first new length; 'length' the rows' "
+                  "length a symbol from the first compile (one compile); 'all' every size a symbol from the first "
+                  "compile (torch.compile's dynamic=True: on an H200 its code generation took ~1 minute)."},
     )  # fmt: skip
     compile_cache_dir: str | None = field(
         default=None,
@@ -262,6 +263,9 @@ class VLMGRPOConfig(GRPOConfig):
                 "fast_generation_importance_sampling=True applies TRL's vLLM importance sampling to the fast path, "
                 "but vllm_importance_sampling_correction=False turns it off: set it to True (TRL's default)."
             )
+        if self.compile_layers_dynamic not in ("auto", "length", "all"):
+            raise ValueError(f"compile_layers_dynamic must be 'auto', 'length' or 'all', got "
+                             f"{self.compile_layers_dynamic!r}.")  # fmt: skip
         if self.max_nonfinite_steps < 1:
             raise ValueError(f"max_nonfinite_steps must be >= 1, got {self.max_nonfinite_steps}.")
         super().__post_init__()
