@@ -225,7 +225,8 @@ def test_the_trainer_passes_its_shape_setting_to_the_compiled_layers_and_refuses
 
 
 @pytest.mark.trains
-def test_attention_given_a_cache_runs_as_written_not_one_graph_per_layer(tiny_dir, tmp_path, fresh_dynamo):
+@pytest.mark.parametrize("shapes", ["auto", "length"])
+def test_attention_given_a_cache_runs_as_written_not_one_graph_per_layer(tiny_dir, tmp_path, fresh_dynamo, shapes):
     # Qwen3.5's training forward continues each prompt's cache (`engine.prefix_cache`). An attention module reaches its
     # cache layer by `self.layer_idx`, on which Dynamo specialises: one graph per layer and cache class (6 here, 16 for
     # Qwen3.5-4B, past Dynamo's limit of 8), so those calls run as written and the MLPs stay compiled.
@@ -235,15 +236,16 @@ def test_attention_given_a_cache_runs_as_written_not_one_graph_per_layer(tiny_di
     trainer.current_gradient_accumulation_steps = 1
     eager_loss, eager = _loss_and_grads(trainer, inputs)
     compiled = CompiledLayers()
-    assert compiled.attach(trainer.model) > 0
+    assert compiled.attach(trainer.model, shapes=shapes) > 0
     calls = trainer.shared_prefix_calls
     graphs = []
     for _ in range(2):
         loss, grads = _loss_and_grads(trainer, inputs)
         graphs.append(counters["stats"]["unique_graphs"])
     assert trainer.shared_prefix_calls == calls + 2  # the prompt-cache path served both
-    # The decoder's MLP (static at the prompt's length, then with the length a symbol for the continuation) and the
-    # vision tower's MLP; none for the attention layers, none more in the second step.
+    # The decoder's MLP twice (the prompts' rows, then the completions' rows: "auto" static, then the sizes that
+    # changed as symbols; "length" the length a symbol from the first call, so the row counts tell the two apart) and
+    # the vision tower's MLP; none for the attention layers, none more in the second step.
     assert graphs == [3, 3], graphs
     assert abs(loss - eager_loss) <= 1e-5 * abs(eager_loss) + 1e-7
     for name, grad in eager.items():

@@ -107,12 +107,13 @@ def _compiled(forward: Any, dynamic: bool | None = None) -> Any:
 
 def _mark_length_dynamic(args: tuple, kwargs: dict[str, Any]) -> None:
     """Mark, on every tensor argument (and those in tuples: rotary cos / sin), each dimension whose size is the rows'
-    length (the first tensor's next-to-last size: [rows, length, hidden], or [patches, hidden] for vision blocks)."""
+    length (the hidden states' next-to-last size: [rows, length, hidden], or [patches, hidden] for vision blocks)."""
     tensors = [a for v in (*args, *kwargs.values()) for a in (v if isinstance(v, (tuple, list)) else (v,))]
     tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
-    if not tensors or tensors[0].dim() < 2 or tensors[0].shape[-2] < 2:
+    hidden = kwargs.get("hidden_states", tensors[0] if tensors else None)
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2 or hidden.shape[-2] < 2:
         return
-    length = tensors[0].shape[-2]
+    length = hidden.shape[-2]
     for t in tensors:
         for dim, size in enumerate(t.shape):
             if size == length:
@@ -133,8 +134,8 @@ class CompiledLayers:
         """`attach` as `VLMGRPOConfig.compile_layers` asks: None is on for a model on a GPU (where the training phase
         is host-bound), False off. `blocked_by` names a trainer setting that rules it out (torch_compile, sharded
         layers); that, or what `unsupported_reason` finds, leaves the layers uncompiled, said once when they were
-        asked for by name. `linear_attention`: the linear-attention layers too; `shapes`: a `SHAPE_MODES` key. Idempotent; compiled forwards another trainer left on the model are removed first (this
-        config decides)."""
+        asked for by name. `linear_attention`: the linear-attention layers too; `shapes`: a `SHAPE_MODES` key.
+        Idempotent; compiled forwards another trainer left on the model are removed first (this config decides)."""
         if not self.modules:
             detach_all(model)
         if setting is False or (setting is None and next(model.parameters()).device.type != "cuda"):
