@@ -220,8 +220,10 @@ def test_the_trainer_passes_its_shape_setting_to_the_compiled_layers_and_refuses
                            compile_layers_dynamic=setting)  # fmt: skip
         forwards = [vars(m)["forward"] for m in trainer.compiled_layers.modules]
         assert forwards and all(f.shapes == setting for f in forwards)
-    with pytest.raises(ValueError, match="compile_layers_dynamic must be 'auto', 'length' or 'all', got True"):
+    with pytest.raises(ValueError, match="compile_layers_dynamic must be one of 'auto', 'length', 'all', got True"):
         VLMGRPOConfig(output_dir=str(tmp_path), compile_layers_dynamic=True)
+    with pytest.raises(ValueError, match="got 'static'"):  # the engine's own entry refuses it the same way
+        CompiledLayers().attach(trainer.model, shapes="static")
 
 
 @pytest.mark.trains

@@ -50,8 +50,8 @@ from ..integrations.unsloth import uses_unsloth
 from ..models.modes import checkpointing_mode
 from .quantized_generation import is_quantized_linear
 
-__all__ = ["COMPILED_CHILDREN", "SHAPE_MODES", "CompiledLayers", "detach_all", "training_forwards_aside",
-           "unsupported_reason"]  # fmt: skip
+__all__ = ["COMPILED_CHILDREN", "SHAPE_MODES", "CompiledLayers", "detach_all", "shape_mode_error",
+           "training_forwards_aside", "unsupported_reason"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,11 @@ def unsupported_reason(model: nn.Module) -> str | None:
 # every input that equal the hidden states' next-to-last size) marked dynamic, the rest static. Sizes that meet a
 # weight's (the hidden size, the heads) are specialised by their guards all the same, and so are sizes of 0 or 1.
 SHAPE_MODES = {"auto": None, "length": None, "all": True}
+
+
+def shape_mode_error(value: Any) -> str:
+    """The one line that refuses `value` as `compile_layers_dynamic`."""
+    return f"compile_layers_dynamic must be one of {', '.join(map(repr, SHAPE_MODES))}, got {value!r}."
 
 
 @functools.cache
@@ -221,7 +226,7 @@ class _TrainingForward:
 
     def __init__(self, module: nn.Module, shapes: str = "auto") -> None:
         if shapes not in SHAPE_MODES:
-            raise ValueError(f"compile_layers_dynamic must be one of {', '.join(SHAPE_MODES)}, got {shapes!r}.")
+            raise ValueError(shape_mode_error(shapes))
         self.module, self.shapes = module, shapes
         self.forward = type(module).forward
 

@@ -13,6 +13,7 @@ import torch
 from trl import GRPOConfig
 
 from ..compat import CHECKPOINTING_ARG
+from ..engine.compiled_layers import SHAPE_MODES, shape_mode_error
 from ..engine.lora_merge import MERGE_BACKUPS
 from ..engine.quantized_generation import QUANTIZED_MODES
 from ..media.pixel_budget import check_pixel_budget
@@ -263,9 +264,8 @@ class VLMGRPOConfig(GRPOConfig):
                 "fast_generation_importance_sampling=True applies TRL's vLLM importance sampling to the fast path, "
                 "but vllm_importance_sampling_correction=False turns it off: set it to True (TRL's default)."
             )
-        if self.compile_layers_dynamic not in ("auto", "length", "all"):
-            raise ValueError(f"compile_layers_dynamic must be 'auto', 'length' or 'all', got "
-                             f"{self.compile_layers_dynamic!r}.")  # fmt: skip
+        if self.compile_layers_dynamic not in SHAPE_MODES:
+            raise ValueError(shape_mode_error(self.compile_layers_dynamic))
         if self.max_nonfinite_steps < 1:
             raise ValueError(f"max_nonfinite_steps must be >= 1, got {self.max_nonfinite_steps}.")
         super().__post_init__()
