@@ -222,6 +222,7 @@ def test_the_trainer_passes_its_shape_setting_to_the_compiled_layers_and_refuses
         assert forwards and all(f.shapes == setting for f in forwards)
     with pytest.raises(ValueError, match="compile_layers_dynamic must be one of 'auto', 'length', 'all', got True"):
         VLMGRPOConfig(output_dir=str(tmp_path), compile_layers_dynamic=True)
+    trainer.compiled_layers.detach()
     with pytest.raises(ValueError, match="got 'static'"):  # the engine's own entry refuses it the same way
         CompiledLayers().attach(trainer.model, shapes="static")
 
