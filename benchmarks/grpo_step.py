@@ -80,6 +80,7 @@ VLM_VARIANTS = {
     "vlm-grpo-compiled-la": {"compile_linear_attention": True},  # Qwen3.5's linear-attention layers compiled too
     "vlm-grpo-dynamic": {"compile_layers_dynamic": "all"},  # the layers compiled with dynamic shapes from the start
     "vlm-grpo-length": {"compile_layers_dynamic": "length"},  # ... with the rows' length a symbol from the start
+    "vlm-grpo-auto": {"compile_layers_dynamic": "auto"},  # ... torch's default: static, then dynamic at a new length
 }
 # Variants set on the trainer's FastGenerator: `vlm-grpo-round3` samples on the host after the recorded forward and
 # copies the base weights back before the scoring forward, not beside it (engine/token_loop.py, engine/lora_merge.py).
@@ -90,7 +91,10 @@ GENERATOR_VARIANTS = {"vlm-grpo-round3": {"sample_in_graph": False, "overlap_res
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--model", default="qwen2.5-vl-3b", help="qwen2.5-vl-3b or qwen2.5-vl-7b (random weights); tiny: CPU smoke test"
+        "--model",
+        default="qwen2.5-vl-3b",
+        help="qwen2.5-vl-3b or qwen2.5-vl-7b (random weights); tiny: CPU smoke test; tiny-deep: tiny widths at the "
+        "3B's depth (36 + 32 layers), the host time of a step on CPU",
     )
     p.add_argument("--image_size", type=int, default=448, help="side of the square synthetic images (or frames)")
     p.add_argument("--video_frames", type=int, default=0,
@@ -179,13 +183,9 @@ def run_worker(args) -> None:
     from vlm_grpo.compat import checkpointing_settings
 
     trainer_name = args.worker
-    if args.model == "tiny":  # CPU smoke run of this harness: `python benchmarks/grpo_step.py --model tiny`
-        from vlm_grpo.tiny import build_tiny_vlm
-
+    if args.model.startswith("tiny"):  # CPU runs: "tiny" a smoke test, "tiny-deep" the 3B's module tree (host time)
         torch.set_num_threads(1)
-        checkpoint = build_tiny_vlm("qwen2_5_vl", os.path.join(args.checkpoint_dir, "tiny"))
-    else:
-        checkpoint = build_checkpoint(args.model, os.path.join(args.checkpoint_dir, args.model))
+    checkpoint = build_checkpoint(args.model, os.path.join(args.checkpoint_dir, args.model))
     on_gpu = torch.cuda.is_available()
     if on_gpu and args.memory_cap_gib:
         total = torch.cuda.get_device_properties(0).total_memory
@@ -322,8 +322,8 @@ def main(argv=None) -> None:
     import transformers
     import trl
 
-    if not torch.cuda.is_available() and args.model != "tiny":
-        raise SystemExit("benchmarks/grpo_step.py needs a CUDA GPU (only --model tiny runs on CPU, as a smoke test).")
+    if not torch.cuda.is_available() and not args.model.startswith("tiny"):
+        raise SystemExit("benchmarks/grpo_step.py needs a CUDA GPU (only --model tiny / tiny-deep run on CPU).")
     env = {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)", "torch": torch.__version__, "transformers": transformers.__version__,
            "trl": trl.__version__, "peft": peft.__version__}  # fmt: skip
     os.makedirs(args.out, exist_ok=True)

@@ -174,6 +174,9 @@ def profiling_callback(trainer_name: str, step: int, out_dir: str) -> Any:
                 stats = pstats.Stats(self.python_profile, stream=text).sort_stats("tottime")
                 stats.print_stats(40)
                 stats.sort_stats("cumulative").print_stats(60)
+                # who calls the hottest functions, and who walks the module tree (a walk per layer call is host time)
+                stats.sort_stats("tottime").print_callers(12)
+                stats.print_callers(r"named_modules|\(modules\)|\(train\)")
                 with open(os.path.join(out_dir, f"cprofile-{trainer_name}.txt"), "w") as f:
                     f.write(text.getvalue())
                 self.python_profile = None

@@ -23,3 +23,17 @@ def test_the_error_line_is_named_not_the_exit_warning():
     assert failure_line("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB") == "out of memory"
     assert failure_line("only a line\n") == "only a line"
     assert failure_line("") == "no output"
+
+
+def test_tiny_deep_has_the_3b_depth_at_tiny_widths(tmp_path):
+    # `--model tiny-deep`: a CPU step walks the 3B's module tree (host time) without the 3B's compute.
+    from real_arch import TEXT, VISION, build_checkpoint
+    from transformers import AutoConfig
+
+    path = build_checkpoint("tiny-deep", str(tmp_path / "tiny-deep"))
+    config = AutoConfig.from_pretrained(path)
+    assert config.text_config.num_hidden_layers == TEXT["qwen2.5-vl-3b"]["num_hidden_layers"] == 36
+    assert config.vision_config.depth == VISION["depth"] and config.text_config.hidden_size < 256
+    files = set(os.listdir(path))
+    assert {"tokenizer.json", "processor_config.json", "chat_template.jinja", "model.safetensors"} <= files
+    assert build_checkpoint("tiny-deep", path) == path  # reused, not rebuilt

@@ -88,14 +88,15 @@ def unsupported_reason(model: nn.Module) -> str | None:
 
 
 # How the compiled layers treat sizes (`VLMGRPOConfig.compile_layers_dynamic`): torch.compile's `dynamic` for each.
-# "auto" (torch's default): a static graph first and, at the first new length, one with the sizes that changed as
-# symbols (step 2 of a real run, whose lengths are sampled). "all" (`dynamic=True`): every size a symbol from the
-# first compile. On the CPU that was one quick compile instead of two (a soak's steps 1 + 2: 11.9 s against
-# 15.1 + 11.3 s); on an H200 it was slow: the 3B's training layers took 78 s of a fresh first step (Inductor's code
-# generation 55 s) against 20.7 s static on an H100, and 61.5 s again in a later process (docs/benchmarks.md).
-# "length": the graph "auto" compiles at the first new length, from the first call: the rows' length (the sizes of
-# every input that equal the hidden states' next-to-last size) marked dynamic, the rest static. Sizes that meet a
-# weight's (the hidden size, the heads) are specialised by their guards all the same, and so are sizes of 0 or 1.
+# "length" (the default): the rows' length (the sizes of every input that equal the hidden states' next-to-last size)
+# marked dynamic from the first call, the rest static: one compile, the graph "auto" reaches at its first new length.
+# Sizes that meet a weight's (the hidden size, the heads) are specialised by their guards all the same, and so are
+# sizes of 0 or 1. "auto" (torch's default): a static graph first and, at the first new length, one with the sizes
+# that changed as symbols: a second compile in the middle of a run, wherever its sampled lengths first change (an
+# H100 soak: two more graphs between steps 4 and 100). On fresh H200s the 3B's first training phase (where these
+# compile) took 17.2 s with "length", 18.6 s with "auto"; on the CPU three lengths compiled in 16.1 s against 20.9 s
+# (14.6 + 6.3). "all" (`dynamic=True`): every size a symbol from the first compile; on an H200 its code generation
+# was slow (the 3B's training layers took 78 s of a fresh first step, docs/benchmarks.md).
 SHAPE_MODES = {"auto": None, "length": None, "all": True}
 
 
@@ -134,7 +135,7 @@ class CompiledLayers:
 
     def attach_as_configured(
         self, model: nn.Module, setting: bool | None, blocked_by: str | None = None, linear_attention: bool = False,
-        shapes: str = "auto",
+        shapes: str = "length",
     ) -> None:  # fmt: skip
         """`attach` as `VLMGRPOConfig.compile_layers` asks: None is on for a model on a GPU (where the training phase
         is host-bound), False off. `blocked_by` names a trainer setting that rules it out (torch_compile, sharded
@@ -157,7 +158,7 @@ class CompiledLayers:
             logger.info("Compiled the training forward of %d attention / MLP modules (the first step compiles them).",
                         count)  # fmt: skip
 
-    def attach(self, model: nn.Module, linear_attention: bool = False, shapes: str = "auto") -> int:
+    def attach(self, model: nn.Module, linear_attention: bool = False, shapes: str = "length") -> int:
         """Give the `COMPILED_CHILDREN` of every checkpointable layer of `model` (and with `linear_attention` its
         `LINEAR_ATTENTION_CHILD`) their compiled training forward; returns how many modules have one. Idempotent; a
         module whose forward someone else replaced is left alone."""
@@ -224,7 +225,7 @@ class _TrainingForward:
     """A module's forward: its class's compiled forward when gradients are on (and nothing else is compiling), its
     own forward otherwise."""
 
-    def __init__(self, module: nn.Module, shapes: str = "auto") -> None:
+    def __init__(self, module: nn.Module, shapes: str = "length") -> None:
         if shapes not in SHAPE_MODES:
             raise ValueError(shape_mode_error(shapes))
         self.module, self.shapes = module, shapes

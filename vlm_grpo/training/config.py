@@ -195,11 +195,12 @@ class VLMGRPOConfig(GRPOConfig):
                   "scan stay eager). The same loss and gradients; off until its GPU speed is measured."},
     )  # fmt: skip
     compile_layers_dynamic: str = field(
-        default="auto",
-        metadata={"help": "With compile_layers, how sizes are compiled: 'auto' (torch's default) a static graph "
-                  "first, then one with the changing lengths as symbols at the first new length; 'length' the rows' "
-                  "length a symbol from the first compile (one compile); 'all' every size a symbol from the first "
-                  "compile (torch.compile's dynamic=True: on an H200 its code generation took ~1 minute)."},
+        default="length",
+        metadata={"help": "With compile_layers, how sizes are compiled: 'length' (default) the rows' length a symbol "
+                  "from the first compile, so changing lengths never compile again; 'auto' (torch's default) a "
+                  "static graph first, then one with the changing lengths as symbols at the first new length (a "
+                  "second compile mid-run); 'all' every size a symbol from the first compile (torch.compile's "
+                  "dynamic=True: on an H200 its code generation took ~1 minute)."},
     )  # fmt: skip
     compile_cache_dir: str | None = field(
         default=None,

@@ -209,7 +209,7 @@ class VLMGRPOTrainer(GRPOTrainer):
         a, unwrapped = self.args, self.accelerator.unwrap_model(self.model)
         self.compiled_layers.attach_as_configured(unwrapped, getattr(a, "compile_layers", None), blocked_by,
                                                   getattr(a, "compile_linear_attention", False),
-                                                  getattr(a, "compile_layers_dynamic", "auto"))  # fmt: skip
+                                                  getattr(a, "compile_layers_dynamic", "length"))  # fmt: skip
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`, after checking this TRL can compute GRPO log-probs on this device.
