@@ -124,9 +124,8 @@ def test_the_next_trainers_config_decides_and_other_forwards_are_left_alone(tiny
     assert vars(patched)["forward"] is own and detach_all(model) == 0
 
 
-@pytest.mark.parametrize("shapes", ["length", "auto"])
 def test_linear_attention_layers_compile_with_convolution_and_scan_left_eager_and_no_graph_per_length(
-    tiny_dir, fresh_dynamo, shapes
+    tiny_dir, fresh_dynamo
 ):
     # Qwen3.5's gated delta net (LoRA on its projections): outputs and gradients as eager at 2 to 5 chunks of 64
     # tokens, and no graph per length (the lengths of packed training rows change every step): the
@@ -156,7 +155,7 @@ def test_linear_attention_layers_compile_with_convolution_and_scan_left_eager_an
     compiled = CompiledLayers()
     compiled.attach(model)
     assert compiled.modules and layer not in compiled.modules  # not without asking
-    assert compiled.attach(model, linear_attention=True, shapes=shapes) == len(compiled.modules)
+    assert compiled.attach(model, linear_attention=True) == len(compiled.modules)
     assert layer in compiled.modules
     graphs = []
     for n in lengths:
@@ -165,11 +164,11 @@ def test_linear_attention_layers_compile_with_convolution_and_scan_left_eager_an
         for grad, reference in zip(grads, eager[n][1], strict=True):
             assert (grad - reference).norm() <= 1e-4 * reference.norm() + 1e-8, n
         graphs.append(counters["stats"]["unique_graphs"])
-    # "auto" (torch's default): static first, with the length as a symbol at the first new length, never again after
-    # that. "length": the layer's own frame once; the frames resumed after the scan's graph breaks take sizes made
-    # inside the layer, which were not marked, so they compile as "auto" does: fewer graphs, the same once-more.
+    # The default ("length"): the layer's own frame compiles once. The frames resumed after the scan's graph breaks take
+    # sizes made inside the layer, which were not marked, so they compile as torch's default does (static first, the
+    # length a symbol at the first new length): fewer graphs than "auto" (which doubles them), never again after.
     assert graphs[0] > 0 and graphs[1:] == [graphs[1]] * 3, graphs
-    assert graphs[1] == 2 * graphs[0] if shapes == "auto" else graphs[0] < graphs[1] < 2 * graphs[0], graphs
+    assert graphs[0] < graphs[1] < 2 * graphs[0], graphs
     assert all(getattr(getattr(modeling_qwen3_5, name), "_left_eager", False) for name in LEFT_EAGER)
     compiled.detach()
     assert "forward" not in vars(layer)
