@@ -207,8 +207,9 @@ def excluded_from_scoring(model: Any, ids: tuple[int, ...]) -> Iterator[None]:
         del model.get_output_embeddings
 
 
-def scoring_as_sampled(trainer: Any, model: Any) -> contextlib.AbstractContextManager[None]:
+def scoring_as_sampled(trainer: Any, model: Any, unwrapped: Any = None) -> contextlib.AbstractContextManager[None]:
     """`excluded_from_scoring` for a trainer's `model` (the policy or its reference, wrapped or not): the ids its
-    generation config blocks, with the model's own generation defaults filled in, as `generate` merges them."""
-    target = core_model(trainer.accelerator.unwrap_model(model))
+    generation config blocks, with the model's own generation defaults filled in, as `generate` merges them.
+    `unwrapped`: the model out of its wrappers, where the caller has it (unwrapping walks every module)."""
+    target = core_model(unwrapped if unwrapped is not None else trainer.accelerator.unwrap_model(model))
     return excluded_from_scoring(target, blocked_ids(merged_generation_config(target, trainer.generation_config)))

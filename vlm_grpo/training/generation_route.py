@@ -24,6 +24,7 @@ from ..engine.generation_copy import copy_unfit_reason
 from ..models.modes import checkpointing_off
 from ..models.sharded import full_weights, sharding
 from ..models.sharded import unsupported_reason as sharded_unsupported_reason
+from .unwrapped import unwrap_once
 
 __all__ = [
     "compile_setting",
@@ -135,7 +136,7 @@ def generation_blocker(trainer: Any) -> str | None:
         return reason
     if is_zero3(trainer) and not trainer.args.ds3_gather_for_generation:
         return "ds3_gather_for_generation=False: ZeRO-3 weights stay sharded while generating"
-    return trainer.fast_generator.unsupported_reason(trainer.accelerator.unwrap_model(trainer.model))
+    return trainer.fast_generator.unsupported_reason(unwrap_once(trainer, trainer.model))
 
 
 def tool_image_token_types(trainer: Any, prompt_ids: Any, multimodal_fields: dict[str, Any]) -> dict[str, Any]:
@@ -154,7 +155,7 @@ def tool_image_token_types(trainer: Any, prompt_ids: Any, multimodal_fields: dic
 def _unwrapped_for_generation(trainer: Any) -> Iterator[Any]:
     """The model without DDP / DeepSpeed wrappers; under ZeRO-3, TRL's context, which gathers the weights (with
     checkpointing off around it, which it would switch back on with the config's kwargs)."""
-    unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    unwrapped = unwrap_once(trainer, trainer.model_wrapped)
     if not is_zero3(trainer):
         yield unwrapped  # TRL's context would add a walk of the model to switch checkpointing off and on, for nothing
         return

@@ -24,6 +24,7 @@ from ..families import find_family
 from ..media.batch_layout import VIDEO_KEYS, select_rows
 from ..media.forward_inputs import images_per_row_input, scoring_inputs
 from ..media.processing import row_vision_inputs
+from .unwrapped import unwrap_once
 
 __all__ = ["logps_by_path"]
 
@@ -52,7 +53,7 @@ def logps_by_path(
     """TRL's `(logps, entropies, aux_loss)` for `model` on the batch, by the shared-prefix path where it serves, else
     `trl_scoring` (TRL's own method), with a batch's clips (`trainer._vision_rows`) passed to the model, and the
     processor's outputs as the family's forward takes them (`vlm_grpo.media.forward_inputs`)."""
-    unwrapped = trainer.accelerator.unwrap_model(model)  # DDP / FSDP wrappers off: the model's own config
+    unwrapped = unwrap_once(trainer, model)  # DDP / FSDP wrappers off: the model's own config
     family = find_family(unwrapped)
     model_inputs = scoring_inputs(family, model_inputs, logits_to_keep)
     rows = trainer._vision_rows

@@ -95,6 +95,7 @@ from .sampler_logprobs import (
     sampled_as_vllm,
 )
 from .scoring_route import logps_by_path
+from .unwrapped import unwrap_once
 
 __all__ = ["VISION_ROWS", "VLMGRPOConfig", "VLMGRPOTrainer"]
 
@@ -361,9 +362,8 @@ class VLMGRPOTrainer(GRPOTrainer):
         return self._last_rewards_per_func
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        # Inference mode while generating, then exactly the mode the model was in (train or eval, checkpointing as
-        # configured at __init__): `vlm_grpo.models.modes` owns the switching.
-        unwrapped, mode = self.accelerator.unwrap_model(self.model), "train" if self.model.training else "eval"
+        # Inference mode while generating, then exactly the mode the model was in (`vlm_grpo.models.modes`).
+        unwrapped, mode = unwrap_once(self, self.model), "train" if self.model.training else "eval"
         with generating(unwrapped):
             completions = fast_generate(self, prompt_ids, images, multimodal_fields, has_tool_images, mode)
             if completions is not None:
@@ -390,7 +390,7 @@ class VLMGRPOTrainer(GRPOTrainer):
         # The ids the sampler never picks are out of the softmax: TRL's fused LM head, which every path scores with,
         # gives them 0.
         trl_scoring = super()._get_per_token_logps_and_entropies
-        with scoring_as_sampled(self, model):
+        with scoring_as_sampled(self, model, unwrap_once(self, model)):
             result = logps_by_path(
                 self, trl_scoring, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                 compute_aux_loss, model_inputs,
