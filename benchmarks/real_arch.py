@@ -161,16 +161,12 @@ def _tiny(out_dir: str, deep: bool, seed: int) -> str:
     config = AutoConfig.from_pretrained(base)
     config.text_config.num_hidden_layers = TEXT["qwen2.5-vl-3b"]["num_hidden_layers"]
     config.text_config.layer_types = ["full_attention"] * config.text_config.num_hidden_layers
-    config.vision_config.depth, config.vision_config.fullatt_block_indexes = (
-        VISION["depth"],
-        VISION["fullatt_block_indexes"],
-    )
+    config.vision_config.depth = VISION["depth"]
+    config.vision_config.fullatt_block_indexes = VISION["fullatt_block_indexes"]
     torch.manual_seed(seed)
     tmp = out_dir + ".tmp"
     AutoModelForImageTextToText.from_config(config).save_pretrained(tmp)
-    for name in os.listdir(base):  # the tokenizer, processor, template and generation config
-        if not os.path.exists(os.path.join(tmp, name)):
-            shutil.copy(os.path.join(base, name), tmp)
-    shutil.copy(os.path.join(base, "generation_config.json"), tmp)
+    for name in set(os.listdir(base)) - {"config.json", "model.safetensors"}:  # tokenizer, processor, template, ...
+        shutil.copy(os.path.join(base, name), tmp)
     os.replace(tmp, out_dir)
     return out_dir

@@ -3,7 +3,7 @@
 `Accelerator.unwrap_model` walks every module of the model at each call: accelerate's `has_compiled_regions` looks
 for a compiled submodule and, in a model whose layers are compiled in place (`engine.compiled_layers`), finds none
 and walks to the end. That is 4-5 ms of host time for a 3B VLM with LoRA (~5 000 modules; the tiny model at the 3B's
-depth, `benchmarks/grpo_step.py --model tiny-deep`), and the scoring and generation routes asked it five times a step.
+depth, `benchmarks/grpo_step.py --model tiny-deep`), and the scoring and generation routes asked it seven times a step.
 The wrappers (DDP, FSDP, DeepSpeed, a whole-model `torch.compile`) are objects made once, by `Trainer.train`'s
 `prepare`; what one of them wraps does not change, so the answer is kept per wrapper object, and a new wrapper (a new
 object) is asked afresh.
