@@ -136,7 +136,8 @@ def markdown(name: str, summary: dict[str, Any]) -> str:
 
 def profiling_callback(trainer_name: str, step: int, out_dir: str) -> Any:
     """A TrainerCallback that runs step `step` under torch.profiler and step `step + 1` under cProfile, writing
-    `profile-<trainer>.md` / `.json` and `cprofile-<trainer>.txt` to `out_dir`."""
+    `profile-<trainer>.md` / `.json` and `cprofile-<trainer>.txt` to `out_dir`. Step 1 (compiling, recording graphs,
+    first launches: issue #48's first step) is only cProfiled, its host time by cumulative time, deeper listed."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     from transformers import TrainerCallback
@@ -146,10 +147,13 @@ def profiling_callback(trainer_name: str, step: int, out_dir: str) -> Any:
             self.torch_profile = self.python_profile = None
 
         def on_step_begin(self, args, state, control, **kwargs):
-            if state.global_step + 1 == step:
+            if step == 1 and state.global_step == 0:
+                self.python_profile = cProfile.Profile()
+                self.python_profile.enable()
+            elif state.global_step + 1 == step:
                 self.torch_profile = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
                 self.torch_profile.__enter__()
-            elif state.global_step + 1 == step + 1:
+            elif state.global_step + 1 == step + 1 and step != 1:
                 self.python_profile = cProfile.Profile()
                 self.python_profile.enable()
 
@@ -173,11 +177,12 @@ def profiling_callback(trainer_name: str, step: int, out_dir: str) -> Any:
                 text = io.StringIO()
                 stats = pstats.Stats(self.python_profile, stream=text).sort_stats("tottime")
                 stats.print_stats(40)
-                stats.sort_stats("cumulative").print_stats(60)
+                stats.sort_stats("cumulative").print_stats(150 if step == 1 else 60)
                 # who calls the hottest functions, and who walks the module tree (a walk per layer call is host time)
                 stats.sort_stats("tottime").print_callers(12)
                 stats.print_callers(r"named_modules|\(modules\)|\(train\)")
-                with open(os.path.join(out_dir, f"cprofile-{trainer_name}.txt"), "w") as f:
+                name = f"cprofile-{trainer_name}{'-first' if step == 1 else ''}.txt"
+                with open(os.path.join(out_dir, name), "w") as f:
                     f.write(text.getvalue())
                 self.python_profile = None
 

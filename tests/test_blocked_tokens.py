@@ -185,6 +185,23 @@ def test_blocked_ids_and_refusals():
     assert BLOCKED_LOGIT * 2 > torch.finfo(torch.float16).min  # representable in an fp16 tile
 
 
+def test_the_blocking_bias_is_made_once_per_head_and_ids():
+    from vlm_grpo.blocked_tokens import _blocking_bias
+
+    head = torch.nn.Linear(4, 10, bias=False)
+    bias = _blocking_bias(head, (2, 7))
+    assert bias.tolist() == [BLOCKED_LOGIT if i in (2, 7) else 0.0 for i in range(10)]
+    # The next forward reuses it (writing it from a host list would wait for the GPU), other ids get their own.
+    assert _blocking_bias(head, (2, 7)) is bias
+    assert _blocking_bias(head, (3,)).tolist() == [BLOCKED_LOGIT if i == 3 else 0.0 for i in range(10)]
+    # A head with its own bias gets a sum made per call (it carries the head's gradient), the cached rows unchanged.
+    own = torch.nn.Linear(4, 10)
+    summed = _blocking_bias(own, (2, 7))
+    assert summed.requires_grad and summed is not bias
+    torch.testing.assert_close(summed.detach(), own.bias.detach() + bias)
+    assert bias.tolist() == [BLOCKED_LOGIT if i in (2, 7) else 0.0 for i in range(10)]
+
+
 def test_a_zero3_partitioned_head_is_checked_by_its_whole_shape():
     # ZeRO-3 leaves a partitioned weight empty outside a gather (shape (0,)) and keeps its shape in `ds_shape`: the
     # check and the blocking bias read the whole vocabulary, as the 3B ZeRO-3 run on two H100s needed.

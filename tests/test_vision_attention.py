@@ -126,3 +126,30 @@ def test_the_trainer_packs_the_vision_attention_unless_switched_off(tiny_dir, tm
     base = trainer.accelerator.unwrap_model(trainer.model).get_base_model()
     assert uses_packed_attention(base) == packed
     type(base)._from_config(base.config)  # what an export builds: the config names no unknown implementation
+
+
+class _CountedBounds(torch.Tensor):
+    """A `cu_seqlens` tensor that counts its reads to the host (each one waits for the GPU)."""
+
+    reads = 0
+
+    def tolist(self):
+        type(self).reads += 1
+        return super().tolist()
+
+
+def test_the_chunk_bounds_are_read_once_per_tensor_not_once_per_layer():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 12, 4) for _ in range(3))
+    bounds = torch.tensor([0, 4, 8, 12], dtype=torch.int32).as_subclass(_CountedBounds)
+    first, _ = packed_attention(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=bounds)
+    again, _ = packed_attention(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=bounds)  # the next layer
+    assert _CountedBounds.reads == 1
+    torch.testing.assert_close(again, first)
+    # A new pass builds a new tensor, read afresh: bounds never carry over between images.
+    other = torch.tensor([0, 6, 12], dtype=torch.int32).as_subclass(_CountedBounds)
+    out, _ = packed_attention(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=other)
+    assert _CountedBounds.reads == 2
+    expected = torch.cat([F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e]) for s, e in
+                          ((0, 6), (6, 12))], dim=2).transpose(1, 2)  # fmt: skip
+    torch.testing.assert_close(out, expected)

@@ -21,6 +21,7 @@ not become a sink; the gap shows in `sampling/sampling_logp_difference/*`). A `m
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -159,10 +160,19 @@ def head_rows(weight: torch.Tensor) -> int:
     return int(getattr(weight, "ds_shape", weight.shape)[0])
 
 
+@functools.lru_cache(maxsize=8)
+def _blocked_rows(rows: int, device: torch.device, ids: tuple[int, ...]) -> torch.Tensor:
+    """`BLOCKED_LOGIT` at `ids`, 0 elsewhere: made once per head size, device and ids, since writing it from a host
+    list waits for the GPU to finish everything queued (twice a step: the reference and the training forward).
+    Callers never write into it."""
+    bias = torch.zeros(rows, dtype=torch.float32, device=device)
+    bias[list(ids)] = BLOCKED_LOGIT
+    return bias
+
+
 def _blocking_bias(head: Any, ids: tuple[int, ...]) -> torch.Tensor:
     weight = head.weight
-    bias = torch.zeros(head_rows(weight), dtype=torch.float32, device=weight.device)
-    bias[list(ids)] = BLOCKED_LOGIT
+    bias = _blocked_rows(head_rows(weight), weight.device, ids)
     own = getattr(head, "bias", None)
     if own is not None:
         own = own.full_tensor() if hasattr(own, "full_tensor") else own

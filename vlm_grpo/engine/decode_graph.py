@@ -153,8 +153,13 @@ def _model_signature(model: nn.Module) -> tuple[int, ...]:
     """What a recording reads of the model: the storage address of every parameter and buffer, and the identity of
     every module (a stand-in rebuilt around moved weights, e.g. a quantised layer's in `engine.quantized_generation`,
     may read tensors that are neither parameters nor buffers)."""
-    tensors = [*model.parameters(), *model.buffers()]
-    return (*(t.data_ptr() for t in tensors), *(id(m) for m in model.modules()))
+    signature = []
+    for module in model.modules():  # one walk of the tree (each walk of a 3B VLM with LoRA: ~5 000 modules)
+        signature.append(id(module))
+        signature.extend(
+            t.data_ptr() for t in (*module._parameters.values(), *module._buffers.values()) if t is not None
+        )
+    return tuple(signature)
 
 
 def _cache_signature(cache: Any) -> tuple[int, ...]:

@@ -198,23 +198,46 @@ def generating(model: nn.Module) -> Iterator[nn.Module]:
     so it does nothing while generating, and switching it off and on again walks every module several times (~0.2 s a
     rollout for a 3B VLM with LoRA on every linear layer, with the GPU waiting).
     """
-    training = model.training
+    modules = list(model.modules())
+    training = [m.training for m in modules]
     configs = _configs(model)
     use_cache = [getattr(c, "use_cache", None) for c in configs]
     tokenizer = _tokenizer(model)
     padding_side = None if tokenizer is None else tokenizer.padding_side
-    model.eval()
+    _set_training(modules, [False] * len(modules))
     _set_use_cache(model, True)
     if tokenizer is not None:
         tokenizer.padding_side = "left"
     try:
         yield model
     finally:
-        model.train(training)
+        _set_training(modules, training)
         for config, value in zip(configs, use_cache):
             config.use_cache = value
         if tokenizer is not None:
             tokenizer.padding_side = padding_side
+
+
+def _set_training(modules: list[nn.Module], flags: list[bool]) -> None:
+    """Give each module (in `model.modules()` order) its own training flag: what `model.eval()` / `model.train()` do,
+    in one pass instead of a recursive `train()` per module (~5 000 for a 3B VLM with LoRA, twice a rollout), and each
+    module back in the mode it was found in (a tower the user froze in eval mode stays so). A module whose `train`
+    does more than set flags has it called (its children, which follow it, are then set again)."""
+    for module, flag in zip(modules, flags, strict=True):
+        if _own_train(module):
+            module.train(flag)
+        else:
+            module.__dict__["training"] = flag
+
+
+def _own_train(module: nn.Module) -> bool:
+    """Whether `module.train` does more than `nn.Module.train` (transformers' does only for hub kernels)."""
+    train = type(module).train
+    if train is nn.Module.train:
+        return False
+    from transformers import PreTrainedModel
+
+    return train is not PreTrainedModel.train or bool(getattr(module, "use_kernels", False))
 
 
 def apply_configured_checkpointing(model: nn.Module, args: Any) -> None:

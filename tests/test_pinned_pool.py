@@ -1,0 +1,70 @@
+"""`vlm_grpo.engine.pinned_pool`: host buffers made on a background thread, and the merge's backup kept on the GPU until
+they are ready. (The pinning itself needs a GPU; on the CPU the same thread allocates plain host memory.)"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from vlm_grpo.engine import lora_merge
+from vlm_grpo.engine.lora_merge import BaseWeightBackup, merged_lora
+from vlm_grpo.engine.pinned_pool import PinnedPool, room_on_device
+from vlm_grpo.models.loader import FastVisionModel
+
+
+def test_the_pool_hands_out_each_buffer_once_and_only_for_its_shape_and_dtype():
+    pool = PinnedPool([(1, torch.Size([2, 3]), torch.bfloat16), (2, torch.Size([4]), torch.float32)], pin=False)
+    first = pool.take(1, torch.Size([2, 3]), torch.bfloat16)
+    assert pool.ready() and first.shape == (2, 3) and first.dtype == torch.bfloat16 and first.device.type == "cpu"
+    assert pool.take(1, torch.Size([2, 3]), torch.bfloat16) is None  # handed out once
+    assert pool.take(2, torch.Size([5]), torch.float32) is None and len(pool) == 0  # a weight that changed shape
+    assert not room_on_device(1, torch.device("cpu"))  # never a second copy in host memory "on the device"
+
+
+def test_a_failed_background_allocation_is_said_and_left_to_the_caller(monkeypatch, caplog):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cannot pin memory")
+
+    monkeypatch.setattr(torch, "empty", refuse)
+    pool = PinnedPool([(1, torch.Size([2]), torch.float32)], pin=False)
+    with caplog.at_level(logging.WARNING):
+        assert pool.take(1, torch.Size([2]), torch.float32) is None
+    assert "cannot pin memory" in caplog.text
+
+
+def test_merges_keep_a_gpu_copy_until_the_host_buffers_are_made_then_use_them(tiny_dir, monkeypatch):
+    model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    model = FastVisionModel.get_peft_model(model, r=4)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # A GPU with room (the CPU test's stand-in), and pinning that takes until the test lets it finish.
+    monkeypatch.setattr(lora_merge, "room_on_device", lambda needed, device: True)
+    release, allocate = threading.Event(), PinnedPool._allocate
+
+    def slow(self, specs, pin):
+        release.wait(30)
+        allocate(self, specs, pin)
+
+    monkeypatch.setattr(PinnedPool, "_allocate", slow)
+    backup = BaseWeightBackup("host")
+
+    def restored() -> bool:
+        return all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+    with merged_lora(model, backup) as merged:  # the first merge: buffers not made yet, a copy beside each weight
+        assert merged and not restored() and backup.now == "device" and backup._pool is not None
+    assert restored() and backup.host_refreshes == 0 and not backup._host
+    release.set()
+    backup._pool._thread.join()
+    made = {id(b) for b in backup._pool._buffers.values()}
+    with merged_lora(model, backup) as merged:  # buffers made: the host copies go into them
+        assert merged and backup.now == "host"
+    assert restored() and backup.host_refreshes == len(made) > 0 and backup._pool is None
+    assert {id(entry[1]) for entry in backup._host.values()} == made
+    with merged_lora(model, backup):  # and are reused, as before
+        pass
+    assert restored() and backup.host_refreshes == len(made)
