@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from vlm_grpo.engine import lora_merge
+from vlm_grpo.engine import lora_merge, pinned_pool
 from vlm_grpo.engine.lora_merge import BaseWeightBackup, merged_lora
 from vlm_grpo.engine.pinned_pool import PinnedPool, room_on_device
 from vlm_grpo.models.loader import FastVisionModel
@@ -43,6 +43,7 @@ def test_merges_keep_a_gpu_copy_until_the_host_buffers_are_made_then_use_them(ti
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     # A GPU with room (the CPU test's stand-in), and pinning that takes until the test lets it finish.
     monkeypatch.setattr(lora_merge, "room_on_device", lambda needed, device: True)
+    monkeypatch.setattr(pinned_pool, "POOL_MIN_BYTES", 0)  # the tiny model's weights count as a large model's
     release, allocate = threading.Event(), PinnedPool._allocate
 
     def slow(self, specs, pin):
@@ -68,3 +69,13 @@ def test_merges_keep_a_gpu_copy_until_the_host_buffers_are_made_then_use_them(ti
     with merged_lora(model, backup):  # and are reused, as before
         pass
     assert restored() and backup.host_refreshes == len(made)
+
+
+def test_small_models_pin_their_backup_in_place(tiny_dir, monkeypatch):
+    model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    model = FastVisionModel.get_peft_model(model, r=4)
+    monkeypatch.setattr(lora_merge, "room_on_device", lambda needed, device: True)
+    backup = BaseWeightBackup("host")
+    with merged_lora(model, backup) as merged:  # well under POOL_MIN_BYTES: pinned at once, as it always was
+        assert merged and backup.now == "host" and backup._pool is None
+    assert backup.host_refreshes > 0

@@ -71,3 +71,24 @@ def test_a_training_step_leaves_the_base_weights_whole_and_no_hooks(tiny_dir, tm
     assert trainer.fast_generator.stats["calls"] == 1 and trainer.fast_generator.backup().where == "host"
     assert _hooks(model) == hooks and trainer.fast_generator.backup()._pending is None
     assert all(torch.equal(p, bases[n]) for n, p in model.named_parameters() if n in bases)
+
+
+def test_the_first_merges_keep_a_gpu_copy_while_the_host_copy_is_pinned_then_restore_from_it(tiny_dir, monkeypatch):
+    from vlm_grpo import FastVisionModel
+    from vlm_grpo.engine import pinned_pool
+    from vlm_grpo.engine.lora_merge import BaseWeightBackup, merged_lora
+
+    monkeypatch.setattr(pinned_pool, "POOL_MIN_BYTES", 0)  # the tiny model's weights count as a large model's
+    model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    model = FastVisionModel.get_peft_model(model, r=4).cuda()
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    backup = BaseWeightBackup("host")
+    for _ in range(3):  # a GPU copy while pinning (or none, if the thread won), then the pinned copies
+        with merged_lora(model, backup, defer_restore=True) as merged:
+            assert merged and backup.now in ("device", "host")
+        backup.wait()
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert backup.now == "host" and backup._host and all(entry[1].is_pinned() for entry in backup._host.values())

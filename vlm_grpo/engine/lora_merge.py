@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..integrations.unsloth import uses_unsloth
+from . import pinned_pool
 from .fused_projections import merges_as_a_delta
 from .pinned_pool import PinnedPool, room_on_device
 from .quantized_generation import is_quantized_linear
@@ -106,6 +107,7 @@ class BaseWeightBackup:
                 missing
                 and self._pool is None
                 and self.host_refreshes == 0
+                and needed >= pinned_pool.POOL_MIN_BYTES
                 and room_on_device(needed, weights[0].device)
             ):
                 self._pool = PinnedPool([(id(w), w.shape, w.dtype) for w in missing], pin=weights[0].is_cuda)
