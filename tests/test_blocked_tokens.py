@@ -191,6 +191,10 @@ def test_the_blocking_bias_is_made_once_per_head_and_ids():
     head = torch.nn.Linear(4, 10, bias=False)
     bias = _blocking_bias(head, (2, 7))
     assert bias.tolist() == [BLOCKED_LOGIT if i in (2, 7) else 0.0 for i in range(10)]
+    # Made first under inference mode (an evaluation, say), it is still a tensor autograd can save for training.
+    with torch.inference_mode():
+        first = _blocking_bias(torch.nn.Linear(4, 11, bias=False), (1,))
+    assert not first.is_inference()
     # The next forward reuses it (writing it from a host list would wait for the GPU), other ids get their own.
     assert _blocking_bias(head, (2, 7)) is bias
     assert _blocking_bias(head, (3,)).tolist() == [BLOCKED_LOGIT if i == 3 else 0.0 for i in range(10)]
@@ -200,6 +204,10 @@ def test_the_blocking_bias_is_made_once_per_head_and_ids():
     assert summed.requires_grad and summed is not bias
     torch.testing.assert_close(summed.detach(), own.bias.detach() + bias)
     assert bias.tolist() == [BLOCKED_LOGIT if i in (2, 7) else 0.0 for i in range(10)]
+    # Made first under inference mode (an evaluation, say), it is still a tensor autograd can save for training.
+    with torch.inference_mode():
+        first = _blocking_bias(torch.nn.Linear(4, 11, bias=False), (1,))
+    assert not first.is_inference()
 
 
 def test_a_zero3_partitioned_head_is_checked_by_its_whole_shape():

@@ -43,3 +43,28 @@ def test_generation_runs_every_module_in_eval_mode_and_gives_each_its_own_mode_b
     model.train()
     with generating(model), torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, expected)
+
+
+def test_modules_whose_flag_lives_elsewhere_get_their_train_called(tiny_dir):
+    model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    mirrored = _Mirrored(0.5)  # its own __setattr__ (as a TorchScript module's keeps a C++ flag)
+    model.add_module("mirrored", mirrored)
+    custom = nn.Dropout(0.5)
+    calls = []
+    custom.train = lambda mode=True: calls.append(mode) or nn.Module.train(custom, mode)  # set on the object
+    model.add_module("custom", custom)
+    model.train()
+    calls.clear()
+    with generating(model):
+        assert mirrored.mirror is False and not mirrored.training
+        assert calls == [False] and not custom.training
+    assert mirrored.mirror is True and calls == [False, True] and custom.training
+
+
+class _Mirrored(nn.Dropout):
+    """A module that keeps a second copy of its flag, set through its own `__setattr__`."""
+
+    def __setattr__(self, name, value):
+        if name == "training":
+            object.__setattr__(self, "mirror", value)
+        super().__setattr__(name, value)

@@ -51,7 +51,8 @@ def test_merges_keep_a_gpu_copy_until_the_host_buffers_are_made_then_use_them(ti
         allocate(self, specs, pin)
 
     monkeypatch.setattr(PinnedPool, "_allocate", slow)
-    backup = BaseWeightBackup("host")
+    backup = BaseWeightBackup("auto")
+    backup.where = "host"  # what "auto" chooses for GPU weights that fit in host memory
 
     def restored() -> bool:
         return all(torch.equal(p, before[n]) for n, p in model.named_parameters())
@@ -79,3 +80,41 @@ def test_small_models_pin_their_backup_in_place(tiny_dir, monkeypatch):
     with merged_lora(model, backup) as merged:  # well under POOL_MIN_BYTES: pinned at once, as it always was
         assert merged and backup.now == "host" and backup._pool is None
     assert backup.host_refreshes > 0
+
+
+def _model(tiny_dir):
+    model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    return FastVisionModel.get_peft_model(model, r=4)
+
+
+def test_host_asked_by_name_never_takes_gpu_memory_and_no_room_means_pinning_in_place(tiny_dir, monkeypatch):
+    model = _model(tiny_dir)
+    monkeypatch.setattr(pinned_pool, "POOL_MIN_BYTES", 0)
+    monkeypatch.setattr(lora_merge, "room_on_device", lambda needed, device: True)
+    backup = BaseWeightBackup("host")  # asked by name: a GPU copy would break that promise
+    with merged_lora(model, backup):
+        assert backup.now == "host" and backup._pool is None
+    monkeypatch.setattr(lora_merge, "room_on_device", lambda needed, device: False)
+    backup = BaseWeightBackup("auto")
+    backup.where = "host"
+    with merged_lora(model, backup):  # no room on the GPU: pinned in place, as before
+        assert backup.now == "host" and backup._pool is None
+    assert backup.host_refreshes > 0
+
+
+def test_buffers_left_in_the_pool_are_freed_after_the_first_host_merge(tiny_dir, monkeypatch):
+    model = _model(tiny_dir)
+    monkeypatch.setattr(pinned_pool, "POOL_MIN_BYTES", 0)
+    room = [True]
+    monkeypatch.setattr(lora_merge, "room_on_device", lambda needed, device: room[0])
+    backup = BaseWeightBackup("auto")
+    backup.where = "host"
+    with merged_lora(model, backup):
+        pool = backup._pool
+        assert pool is not None
+    pool._thread.join()
+    pool._buffers[-1] = torch.empty(3)  # a buffer no merged weight takes (one the next merges no longer need)
+    room[0] = False
+    with merged_lora(model, backup):
+        assert backup.now == "host"
+    assert backup._pool is None and backup.host_refreshes > 0

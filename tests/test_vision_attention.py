@@ -150,6 +150,13 @@ def test_the_chunk_bounds_are_read_once_per_tensor_not_once_per_layer():
     other = torch.tensor([0, 6, 12], dtype=torch.int32).as_subclass(_CountedBounds)
     out, _ = packed_attention(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=other)
     assert _CountedBounds.reads == 2
+    other[1] = 4  # changed in place: read again, never the old bounds
+    changed, _ = packed_attention(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=other)
+    assert _CountedBounds.reads == 3
+    expected_changed = torch.cat([F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e]) for s, e in
+                                  ((0, 4), (4, 12))], dim=2).transpose(1, 2)  # fmt: skip
+    torch.testing.assert_close(changed, expected_changed)
+    other[1] = 6
     expected = torch.cat([F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e]) for s, e in
                           ((0, 6), (6, 12))], dim=2).transpose(1, 2)  # fmt: skip
     torch.testing.assert_close(out, expected)

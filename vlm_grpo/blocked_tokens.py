@@ -164,9 +164,11 @@ def head_rows(weight: torch.Tensor) -> int:
 def _blocked_rows(rows: int, device: torch.device, ids: tuple[int, ...]) -> torch.Tensor:
     """`BLOCKED_LOGIT` at `ids`, 0 elsewhere: made once per head size, device and ids, since writing it from a host
     list waits for the GPU to finish everything queued (twice a step: the reference and the training forward).
-    Callers never write into it."""
-    bias = torch.zeros(rows, dtype=torch.float32, device=device)
-    bias[list(ids)] = BLOCKED_LOGIT
+    Callers never write into it. Made outside inference mode, so that a first call under it does not leave a tensor
+    autograd refuses to save in every training forward after."""
+    with torch.inference_mode(False):
+        bias = torch.zeros(rows, dtype=torch.float32, device=device)
+        bias[list(ids)] = BLOCKED_LOGIT
     return bias
 
 

@@ -85,10 +85,21 @@ def test_the_first_merges_keep_a_gpu_copy_while_the_host_copy_is_pinned_then_res
         if "lora_B" in name:
             param.data.normal_(0, 0.5)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    backup = BaseWeightBackup("host")
-    for _ in range(3):  # a GPU copy while pinning (or none, if the thread won), then the pinned copies
+    import threading
+
+    from vlm_grpo.engine.pinned_pool import PinnedPool
+
+    release, allocate = threading.Event(), PinnedPool._allocate
+    monkeypatch.setattr(
+        PinnedPool, "_allocate", lambda self, specs, pin: (release.wait(30), allocate(self, specs, pin))
+    )
+    backup = BaseWeightBackup("auto")  # "host" for a GPU model that fits in host memory
+    for step in range(3):  # a GPU copy while pinning, then the pinned copies
+        if step == 1:
+            release.set()
+            backup._pool._thread.join()
         with merged_lora(model, backup, defer_restore=True) as merged:
-            assert merged and backup.now in ("device", "host")
+            assert merged and backup.now == ("device" if step == 0 else "host")
         backup.wait()
         assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
-    assert backup.now == "host" and backup._host and all(entry[1].is_pinned() for entry in backup._host.values())
+    assert backup._host and all(entry[1].is_pinned() for entry in backup._host.values())

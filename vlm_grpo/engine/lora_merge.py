@@ -91,7 +91,8 @@ class BaseWeightBackup:
         """Settle "auto" for these weights (once; later calls keep the choice) and return where they are kept.
 
         Called before each merge, it also settles where this merge's copies go (`now`). A host backup of GPU weights
-        whose pinned copies do not exist yet has them allocated on a background thread (`engine.pinned_pool`: pinning
+        whose pinned copies do not exist yet has them allocated on a background thread (with "auto" only: "host" asked
+        by name never takes GPU memory) (`engine.pinned_pool`: pinning
         a 3B model's 5.6 GiB took 3.9 s of its first step), and until they are made each merge keeps a GPU copy
         instead, where the GPU has room for one (`room_on_device`); otherwise it pins them in place, as before."""
         if self.where is None:
@@ -105,6 +106,7 @@ class BaseWeightBackup:
             needed = sum(w.numel() * w.element_size() for w in missing)
             if (
                 missing
+                and self.setting == "auto"  # "host" asked by name: no GPU copy, ever
                 and self._pool is None
                 and self.host_refreshes == 0
                 and needed >= pinned_pool.POOL_MIN_BYTES
@@ -140,8 +142,6 @@ class BaseWeightBackup:
             copy = self._pool.take(id(weight), weight.shape, weight.dtype) if self._pool is not None else None
             if copy is None:
                 copy = torch.empty(weight.shape, dtype=weight.dtype, device="cpu", pin_memory=weight.is_cuda)
-            if self._pool is not None and not len(self._pool):
-                self._pool = None
             copy.copy_(weight.detach())
             entry = (weight, copy, weight._version, weight.data_ptr())
             self.host_refreshes += 1
@@ -173,6 +173,7 @@ class BaseWeightBackup:
                 weight.copy_(original, non_blocking=True)
         self._saved = []  # only once every copy is queued: a failed restore leaves them to restore again
         if on_host:
+            self._pool = None  # its buffers went to this merge's weights; any left over are freed, not kept all run
             for weight, original, _ in saved:
                 self._host[id(weight)] = (weight, original, weight._version, weight.data_ptr())
 

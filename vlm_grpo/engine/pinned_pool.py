@@ -27,13 +27,14 @@ POOL_MIN_BYTES = 256 * 2**20
 
 
 class PinnedPool:
-    """Pinned host tensors of the given shapes and dtypes, one per key, allocated on a daemon thread."""
+    """Pinned host tensors of the given shapes and dtypes, one per key, allocated on a background thread."""
 
     def __init__(self, specs: Sequence[tuple[int, torch.Size, torch.dtype]], pin: bool = True) -> None:
         self._buffers: dict[int, torch.Tensor] = {}
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._allocate, args=(list(specs), pin), daemon=True,
-                                        name="vlm-grpo-pinned-backup")  # fmt: skip
+        # Not a daemon: a process that ends while it pins waits the seconds it takes, rather than tearing CUDA down
+        # under it.
+        self._thread = threading.Thread(target=self._allocate, args=(list(specs), pin), name="vlm-grpo-pinned-backup")
         self._thread.start()
 
     def _allocate(self, specs: list[tuple[int, torch.Size, torch.dtype]], pin: bool) -> None:

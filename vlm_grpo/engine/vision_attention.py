@@ -116,11 +116,11 @@ def _bounds(cu_seq_lens: torch.Tensor) -> list[int]:
     """The chunk bounds as host integers. Reading them waits for the GPU (transformers' per-chunk loop does the same
     in every layer); the vision tower hands one `cu_seqlens` tensor to all its layers, so the bounds are kept on it
     and read once per tower pass, not once per layer (a Qwen2.5-VL-3B pass: 32 waits -> 2)."""
-    bounds = getattr(cu_seq_lens, "_vlm_grpo_bounds", None)
-    if bounds is None:
+    version, bounds = getattr(cu_seq_lens, "_vlm_grpo_bounds", (None, None))
+    if bounds is None or version != cu_seq_lens._version:  # read afresh after any in-place change
         bounds = cu_seq_lens.tolist()
         if not torch.compiler.is_compiling():
-            cu_seq_lens._vlm_grpo_bounds = bounds
+            cu_seq_lens._vlm_grpo_bounds = (cu_seq_lens._version, bounds)
     return bounds
 
 

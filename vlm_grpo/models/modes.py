@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..compat import (
@@ -231,7 +232,13 @@ def _set_training(modules: list[nn.Module], flags: list[bool]) -> None:
 
 
 def _own_train(module: nn.Module) -> bool:
-    """Whether `module.train` does more than `nn.Module.train` (transformers' does only for hub kernels)."""
+    """Whether `module.train` does more than `nn.Module.train` (transformers' does only for hub kernels), or the flag
+    lives elsewhere than the module's `__dict__`: a `train` set on the object, a class with its own `__setattr__`, a
+    TorchScript module (its C++ flag)."""
+    if "train" in vars(module) or type(module).__setattr__ is not nn.Module.__setattr__:
+        return True
+    if isinstance(module, torch.jit.ScriptModule):
+        return True
     train = type(module).train
     if train is nn.Module.train:
         return False
