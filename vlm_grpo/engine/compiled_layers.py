@@ -89,7 +89,7 @@ def unsupported_reason(model: nn.Module) -> str | None:
 
 # How the compiled layers treat sizes (`VLMGRPOConfig.compile_layers_dynamic`): torch.compile's `dynamic` for each.
 # "length" (the default): the rows' length (the sizes of every input that equal the hidden states' next-to-last size)
-# marked dynamic from the first call, the rest static: one compile, the graph "auto" reaches at its first new length.
+# and their count (the first dimension, where 2 or more) marked dynamic from the first call, the rest static: one compile, the graph "auto" reaches at its first new length.
 # Sizes that meet a weight's (the hidden size, the heads) are specialised by their guards all the same, and so are
 # sizes of 0 or 1. "auto" (torch's default): a static graph first and, at the first new length, one with the sizes
 # that changed as symbols: a second compile in the middle of a run, wherever its sampled lengths first change (an
@@ -113,16 +113,19 @@ def _compiled(forward: Any, dynamic: bool | None = None) -> Any:
 
 def _mark_length_dynamic(args: tuple, kwargs: dict[str, Any]) -> None:
     """Mark, on every tensor argument (and those in tuples: rotary cos / sin), each dimension whose size is the rows'
-    length (the hidden states' next-to-last size: [rows, length, hidden], or [patches, hidden] for vision blocks)."""
+    length (the hidden states' next-to-last size: [rows, length, hidden], or [patches, hidden] for vision blocks), and
+    the first dimension where it is the row count (2 or more: Qwen3.5's prompt-cache scoring calls the MLP with one row
+    per prompt, then one per completion; a static count compiled it twice, 2.3 s of a fresh H200 first step)."""
     tensors = [a for v in (*args, *kwargs.values()) for a in (v if isinstance(v, (tuple, list)) else (v,))]
     tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
     hidden = kwargs.get("hidden_states", tensors[0] if tensors else None)
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2 or hidden.shape[-2] < 2:
         return
     length = hidden.shape[-2]
+    rows = hidden.shape[0] if hidden.dim() == 3 and hidden.shape[0] > 1 else None
     for t in tensors:
         for dim, size in enumerate(t.shape):
-            if size == length:
+            if size == length or (dim == 0 and size == rows):
                 torch._dynamo.maybe_mark_dynamic(t, dim)
 
 

@@ -197,8 +197,8 @@ class VLMGRPOConfig(GRPOConfig):
     )  # fmt: skip
     compile_layers_dynamic: str = field(
         default="length",
-        metadata={"help": "With compile_layers, how sizes are compiled: 'length' (default) the rows' length a symbol "
-                  "from the first compile, so changing lengths never compile again; 'auto' (torch's default) a "
+        metadata={"help": "With compile_layers, how sizes are compiled: 'length' (default) the rows' length and count "
+                  "symbols from the first compile, so changing lengths never compile again; 'auto' (torch's default) a "
                   "static graph first, then one with the changing lengths as symbols at the first new length (a "
                   "second compile mid-run); 'all' every size a symbol from the first compile (torch.compile's "
                   "dynamic=True: on an H200 its code generation took ~1 minute)."},
