@@ -95,7 +95,7 @@ def step_timer(records: list, args_profile_step: int = 0):
             total = sync_time() - self.start
             t = self.trainer
             records.append({
-                "step": state.global_step, "total_s": total, "profiled": 0 < args_profile_step <= state.global_step and not (args_profile_step == 1 < state.global_step), "generation_s": t._bench_generation,
+                "step": state.global_step, "total_s": total, "profiled": state.global_step == 1 if args_profile_step == 1 else 0 < args_profile_step <= state.global_step, "generation_s": t._bench_generation,
                 "scoring_s": t._bench_scoring, "training_s": total - t._bench_generation - t._bench_scoring,
             })  # fmt: skip
             # The step's peak, and each phase's (a phase's peak counter is reset when it ends)

@@ -89,7 +89,8 @@ def unsupported_reason(model: nn.Module) -> str | None:
 
 # How the compiled layers treat sizes (`VLMGRPOConfig.compile_layers_dynamic`): torch.compile's `dynamic` for each.
 # "length" (the default): the rows' length (the sizes of every input that equal the hidden states' next-to-last size)
-# and their count (the first dimension, where 2 or more) marked dynamic from the first call, the rest static: one compile, the graph "auto" reaches at its first new length.
+# and their count (the first dimension, where 2 or more) marked dynamic from the first call, the rest static: one
+# compile, the graph "auto" reaches at its first new length.
 # Sizes that meet a weight's (the hidden size, the heads) are specialised by their guards all the same, and so are
 # sizes of 0 or 1. "auto" (torch's default): a static graph first and, at the first new length, one with the sizes
 # that changed as symbols: a second compile in the middle of a run, wherever its sampled lengths first change (an

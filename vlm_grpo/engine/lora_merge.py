@@ -21,7 +21,6 @@ from torch import nn
 from ..integrations.unsloth import uses_unsloth
 from . import pinned_pool
 from .fused_projections import merges_as_a_delta
-from .pinned_pool import PinnedPool, room_on_device
 from .quantized_generation import is_quantized_linear
 
 __all__ = ["HOST_SHARE", "MERGE_BACKUPS", "BaseWeightBackup", "DeferredRestore", "choose_backup", "merged_lora"]
@@ -84,43 +83,34 @@ class BaseWeightBackup:
         self._pending: DeferredRestore | None = None
         self._stream: torch.cuda.Stream | None = None  # the deferred copies' stream (one, reused)
         self.host_refreshes = 0  # weights copied to the host (the first generation, then only changed ones)
-        self._pool: PinnedPool | None = None  # host copies being pinned in the background (`resolve`)
+        self._pool: pinned_pool.PinnedPool | None = None  # host copies being pinned in the background (`resolve`)
         self.now: str | None = None  # where this merge's copies go: `where`, or "device" while the pool is made
 
     def resolve(self, weights: Sequence[torch.Tensor]) -> str:
         """Settle "auto" for these weights (once; later calls keep the choice) and return where they are kept.
 
-        Called before each merge, it also settles where this merge's copies go (`now`). A host backup of GPU weights
-        whose pinned copies do not exist yet has them allocated on a background thread (with "auto" only: "host" asked
-        by name never takes GPU memory) (`engine.pinned_pool`: pinning
-        a 3B model's 5.6 GiB took 3.9 s of its first step), and until they are made each merge keeps a GPU copy
-        instead, where the GPU has room for one (`room_on_device`); otherwise it pins them in place, as before."""
+        Called before each merge, it also settles where this merge's copies go (`now`). Under "auto", a host backup of
+        GPU weights whose pinned copies do not exist yet has them pinned on a background thread (`engine.pinned_pool`:
+        pinning a 3B model's 5.6 GiB took 3.9 s of its first step), and until they are made each merge keeps a GPU
+        copy instead, where the GPU has room for one. "host" asked by name never takes GPU memory, and without room
+        the copies are pinned in place, as before."""
         if self.where is None:
             needed = sum(w.numel() * w.element_size() for w in weights)
             self.where, why = choose_backup(needed, weights[0].device)
             logger.info("LoRA merged for generation: base weights kept on the %s (%s). Set "
                         "fast_generation_merge_backup to force one.", self.where, why)  # fmt: skip
         self.now = self.where
-        if self.where == "host" and weights:  # (`room_on_device` is False for weights on the CPU)
-            missing = [w for w in weights if not self._kept(w)]
-            needed = sum(w.numel() * w.element_size() for w in missing)
-            if (
-                missing
-                and self.setting == "auto"  # "host" asked by name: no GPU copy, ever
-                and self._pool is None
-                and self.host_refreshes == 0
-                and needed >= pinned_pool.POOL_MIN_BYTES
-                and room_on_device(needed, weights[0].device)
-            ):
-                self._pool = PinnedPool([(id(w), w.shape, w.dtype) for w in missing], pin=weights[0].is_cuda)
+        missing = [w for w in weights if not self._kept(w)] if self.where == "host" else []
+        needed = sum(w.numel() * w.element_size() for w in missing)
+        first = (self.setting == "auto" and self._pool is None and self.host_refreshes == 0
+                 and needed >= pinned_pool.POOL_MIN_BYTES)  # fmt: skip
+        # (`room_on_device` is False for weights on the CPU)
+        if missing and (first or self._pool is not None) and pinned_pool.room_on_device(needed, weights[0].device):
+            if first:
+                self._pool = pinned_pool.PinnedPool([(id(w), w.shape, w.dtype) for w in missing], weights[0].is_cuda)
                 logger.info("Pinning %.1f GiB of host memory for the base-weight backup in the background; until it "
                             "is ready, merges keep their backup on the GPU.", needed / 2**30)  # fmt: skip
-            if (
-                missing
-                and self._pool is not None
-                and not self._pool.ready()
-                and room_on_device(needed, weights[0].device)
-            ):
+            if not self._pool.ready():
                 self.now = "device"
         return self.where
 
@@ -305,12 +295,10 @@ def merged_lora(
                 layer._disable_adapters = False
 
 
-def _hooks_are_bypassed(model: nn.Module, compiled: bool | None = None) -> bool:
+def _hooks_are_bypassed(model: nn.Module, compiled: bool) -> bool:
     """Whether the model's layers may run without their forward hooks: inside a compiled module (Dynamo does not run
-    them; `compiled`: whether any module is, when the caller walked the model already), or under Unsloth (its fused
+    them; `compiled`: whether any module is, found in the caller's walk of the model), or under Unsloth (its fused
     LoRA kernels read the base weights without calling the layers)."""
-    if compiled is None:
-        compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
     return uses_unsloth(model) or compiled
 
 

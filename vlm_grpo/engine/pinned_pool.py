@@ -59,9 +59,6 @@ class PinnedPool:
         buffer = self._buffers.pop(key, None)
         return buffer if buffer is not None and buffer.shape == shape and buffer.dtype == dtype else None
 
-    def __len__(self) -> int:
-        return len(self._buffers)
-
 
 def room_on_device(needed_bytes: int, device: torch.device) -> bool:
     """Whether `needed_bytes` more on `device` (a GPU) stay within `DEVICE_SHARE` of what this process can still
