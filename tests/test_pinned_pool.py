@@ -115,3 +115,43 @@ def test_buffers_left_in_the_pool_are_freed_after_the_first_host_merge(tiny_dir,
     with merged_lora(model, backup):
         assert backup.now == "host"
     assert backup._pool is None and backup.host_refreshes > 0
+
+
+def _fresh_fast_pinning(monkeypatch, settings: str, cuda: bool = True) -> None:
+    """`use_fast_pinning` not yet run in this process, torch's allocator settings `settings`, a GPU there or not."""
+    monkeypatch.setattr(pinned_pool, "_fast_pinning", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    for name in pinned_pool.ALLOC_CONF_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    torch._C._accelerator_setAllocatorSettings(settings)
+
+
+def test_fast_pinning_keeps_the_users_allocator_settings_and_adds_its_own_once(monkeypatch):
+    before = torch._C._accelerator_getAllocatorSettings()
+    try:
+        _fresh_fast_pinning(monkeypatch, "max_split_size_mb:512")
+        assert pinned_pool.use_fast_pinning().startswith("set")
+        # torch's parser resets what a settings string leaves out: the user's own setting is passed again, first.
+        assert torch._C._accelerator_getAllocatorSettings() == "max_split_size_mb:512," + pinned_pool.FAST_PINNING
+        torch._C._accelerator_setAllocatorSettings("max_split_size_mb:256")
+        assert pinned_pool.use_fast_pinning().startswith("set")  # once per process: not applied again
+        assert torch._C._accelerator_getAllocatorSettings() == "max_split_size_mb:256"
+    finally:
+        torch._C._accelerator_setAllocatorSettings(before)
+
+
+def test_fast_pinning_leaves_a_users_own_pinning_settings_and_machines_without_cuda(monkeypatch):
+    before = torch._C._accelerator_getAllocatorSettings()
+    try:
+        _fresh_fast_pinning(monkeypatch, "pinned_num_register_threads:4")
+        assert "left to the allocator settings given" in pinned_pool.use_fast_pinning()
+        assert torch._C._accelerator_getAllocatorSettings() == "pinned_num_register_threads:4"
+        _fresh_fast_pinning(monkeypatch, "", cuda=False)
+        assert pinned_pool.use_fast_pinning() == "no CUDA"
+        # Where torch has no record of its settings, the environment's are the user's.
+        _fresh_fast_pinning(monkeypatch, "")
+        monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "", raising=False)
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "pinned_use_cuda_host_register:False")
+        assert "left to the allocator settings given" in pinned_pool.use_fast_pinning()
+    finally:
+        torch._C._accelerator_setAllocatorSettings(before)

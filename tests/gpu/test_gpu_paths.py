@@ -191,6 +191,7 @@ def test_quantised_fast_generation_matches_the_bitsandbytes_layers(checkpoint, t
         with model.disable_adapter():
             adapter_effect = (model(**inputs).logits.float() - plain_logits).abs().mean().item()
     plain = GRPOTrainer._generate_single_turn(trainer, *batch, 4)[0]
+    by_mode = {}  # each mode's logits
     for mode in ("light", "copy"):
         with torch.no_grad(), QuantizedLayers(model, mode).swapped():
             logits = model(**inputs).logits.float()
@@ -210,9 +211,14 @@ def test_quantised_fast_generation_matches_the_bitsandbytes_layers(checkpoint, t
         elif mode == "light":  # LLM.int8 quantises the activations too; the stand-in multiplies them unquantised
             # (H100: gap 6.7% of the adapter's effect, top-1 0.77 on this random-weight model's flat logits)
             assert gap < 0.1 * adapter_effect and top1 >= 0.7
-        else:  # the adapter merged into a bf16 weight rounds differently (H100: gap 2.8% of the effect, top-1 0.90 on
-            # this random-weight model, whose flat logits make near-ties common)
+        elif bits == 4:  # the adapter merged into a bf16 weight rounds differently (H100: gap 2.8% of the effect,
+            # top-1 0.90 on this random-weight model, whose flat logits make near-ties common)
             assert gap < 0.05 * adapter_effect and top1 >= 0.85
+        else:  # 8-bit: the copy multiplies unquantised activations too, so LLM.int8's own gap is in it as in "light"
+            # (H200: 6.8% against light's 6.7%, top-1 0.80); what the copy adds is its merge's rounding, against light
+            assert gap < 0.1 * adapter_effect and top1 >= 0.7
+            assert (logits - by_mode["light"]).abs().mean().item() < 0.05 * adapter_effect
+        by_mode[mode] = logits
         assert trainer.fast_generator.stats["calls"] == 1
     after = quantized_state()  # the stored quantised weights are bit-identical after both modes generated
     assert stored and after.keys() == stored.keys() and all(torch.equal(after[k], v) for k, v in stored.items())

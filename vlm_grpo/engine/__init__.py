@@ -8,7 +8,7 @@ then takes TRL's path and logs why once):
   `decode_graph` records as one CUDA graph, `token_loop` feeds (buffers that outlive a generation, sampling inside
   the step), `decode_attention` and `fused_projections` make cheaper (grouped heads reading the cache in place; q/k/v
   as one GEMM), and `lora_merge` runs with LoRA merged into the base weights (restored bit for bit afterwards, from
-  a host copy `pinned_pool` pins in the background);
+  a host copy `pinned_pool` pins in the background, by `cudaHostRegister`);
 - `quantized_generation`: plain stand-ins for bitsandbytes 4-bit / 8-bit layers, so QLoRA models decode compiled;
 - `shared_prefix`: old-policy, reference and policy log-probs with each group's prompt and images computed once;
 - `adapters_off`: a fresh adapter's KL reference, the policy with its LoRA layers switched off by their own flags;

@@ -100,6 +100,8 @@ class BaseWeightBackup:
             logger.info("LoRA merged for generation: base weights kept on the %s (%s). Set "
                         "fast_generation_merge_backup to force one.", self.where, why)  # fmt: skip
         self.now = self.where
+        if self.where == "host" and weights[0].is_cuda:
+            pinned_pool.use_fast_pinning()  # before the first pinned copy: 4x faster, without starving the launches
         missing = [w for w in weights if not self._kept(w)] if self.where == "host" else []
         needed = sum(w.numel() * w.element_size() for w in missing)
         first = (self.setting == "auto" and self._pool is None and self.host_refreshes == 0
