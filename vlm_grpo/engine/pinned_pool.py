@@ -68,21 +68,6 @@ def use_fast_pinning() -> str:
             _fast_pinning = f"torch refused it ({error}); pinning with cudaHostAlloc"
         logger.info("Host memory for the base-weight backup: fast pinning %s.", _fast_pinning)
     return _fast_pinning
-    user = ",".join(v for v in (os.environ.get(name, "").strip() for name in ALLOC_CONF_VARIABLES) if v)
-    if "pinned_" in user:
-        _fast_pinning = f"left to the allocator settings given ({user})"
-    elif not torch.cuda.is_available():
-        _fast_pinning = "no CUDA"
-    else:
-        try:
-            settings = ",".join(filter(None, (user, FAST_PINNING)))
-            setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch.cuda's own is deprecated
-            (setter or torch.cuda.memory._set_allocator_settings)(settings)
-            _fast_pinning = f"set ({FAST_PINNING})"
-        except (RuntimeError, AttributeError) as error:  # an older or newer torch without the option or the call
-            _fast_pinning = f"torch refused it ({error}); pinning with cudaHostAlloc"
-        logger.info("Host memory for the base-weight backup: fast pinning %s.", _fast_pinning)
-    return _fast_pinning
 
 
 class PinnedPool:
