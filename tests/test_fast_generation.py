@@ -45,7 +45,7 @@ def _zero_reward(prompts, completions, **kwargs):
     return [0.0] * len(completions)
 
 
-def _trainer(tiny_dir, tmp_path, family="qwen2_5_vl", generations=3, lora_b=0.0, **generation_kwargs):
+def _trainer(tiny_dir, tmp_path, family="qwen2_5_vl", generations=3, lora_b=0.0, config=None, **generation_kwargs):
     model, processor = FastVisionModel.from_pretrained(tiny_dir(family))
     model = FastVisionModel.get_peft_model(model, r=4)
     if lora_b:  # a trained-looking adapter, so merging it changes the weights
@@ -56,7 +56,7 @@ def _trainer(tiny_dir, tmp_path, family="qwen2_5_vl", generations=3, lora_b=0.0,
     args = VLMGRPOConfig(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=len(ROWS) * generations,
         num_generations=generations, max_completion_length=8, report_to="none", use_cpu=True, max_steps=1,
-        generation_kwargs={"do_sample": False, "min_new_tokens": 6, **generation_kwargs},
+        generation_kwargs={"do_sample": False, "min_new_tokens": 6, **generation_kwargs}, **(config or {}),
     )  # fmt: skip
     dataset = Dataset.from_list(ROWS)  # distinct prompts, so every batch has exactly three groups
     return VLMGRPOTrainer(model, [_zero_reward], args=args, train_dataset=dataset, processing_class=processor)
@@ -195,6 +195,33 @@ def test_compiled_decode_matches_and_one_graph_serves_several_prompt_lengths(tin
         batch = _batch(trainer, [row], 2)
         assert _fast(trainer, batch) == _plain(trainer, batch, 2)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+def test_freeing_the_decode_memory_after_each_call_keeps_the_tokens_and_the_compiled_graph(tiny_dir, tmp_path, family):
+    import torch._dynamo.utils
+
+    # LoRA merged (a trained-looking adapter): the stacked q/k/v copy exists; Qwen3.5: linear-attention states too.
+    trainer = _trainer(tiny_dir, tmp_path, family=family, generations=2, lora_b=0.05,
+                       config={"fast_generation_keep_decode_memory": False})  # fmt: skip
+    generator = trainer.fast_generator
+    assert generator.keep_decode_memory is False  # the config reached the generator
+    generator.compile = True
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    batch = _batch(trainer, ROWS[:1], 2)
+    plain = _plain(trainer, batch, 2)
+    graphs = []
+    for _ in range(2):
+        assert _fast(trainer, batch) == plain
+        assert not generator._decode_caches.caches and not generator._decode_caches.decode_buffers
+        assert generator._fused is None and not generator._graphs.recordings
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    # New caches, the same compiled step (one graph per kind of decoder layer: Qwen3.5 has two)
+    assert graphs[1] == graphs[0] == (2 if family == "qwen3_5" else 1)
+    generator.keep_decode_memory = True  # the default keeps them for the next call
+    assert _fast(trainer, batch) == plain and generator._decode_caches.caches
+    assert family != "qwen2_5_vl" or generator._fused is not None
 
 
 def test_turns_that_grow_decode_in_the_kept_longer_cache_with_the_same_tokens(tiny_dir, tmp_path):

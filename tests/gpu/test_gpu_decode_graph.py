@@ -1,6 +1,6 @@
 """The decode step recorded as a CUDA graph by hand (`vlm_grpo.engine.decode_graph`) on a GPU: the same tokens as
-torch.compile's own CUDA graphs, one recording reused across generations, and a new
-recording when a weight moves.
+its compiled kernels launched one by one, one recording reused across generations, and a new recording when a
+weight moves.
 
 Skipped without CUDA. Run on a GPU machine with:  python -m pytest tests/gpu -q -s
 """
@@ -60,7 +60,7 @@ def _setup(tiny_dir, tmp_path, **generation_kwargs):
     return trainer, batch, fast
 
 
-def test_recorded_decode_gives_the_compiler_graphs_tokens(tiny_dir, tmp_path):
+def test_recorded_decode_gives_its_kernels_tokens(tiny_dir, tmp_path):
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     # min_new_tokens is counted on the device (engine.token_loop): the whole token, sampling included, is one replay.
@@ -70,8 +70,9 @@ def test_recorded_decode_gives_the_compiler_graphs_tokens(tiny_dir, tmp_path):
 
     torch._dynamo.reset()
     plain = GRPOTrainer._generate_single_turn(trainer, *batch, 4)[0]
-    compiler = fast("compiler")
-    assert all(len(c) >= 12 for c in compiler)  # min_new_tokens: real decoding happened
+    compiler = fast("compiler")  # torch.compile's own CUDA graphs ("reduce-overhead" mode), compared below
+    unrecorded = fast("off")  # the recording's own compiled kernels ("default" mode), launched one by one
+    assert all(len(c) >= 12 for c in unrecorded)  # min_new_tokens: real decoding happened
     assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters()), "the merge left the weights"
     runs = []
     for run in range(3):  # recorded at the first call, replayed by the next two
@@ -83,19 +84,21 @@ def test_recorded_decode_gives_the_compiler_graphs_tokens(tiny_dir, tmp_path):
         return [(row, next((i for i, (x, y) in enumerate(zip(r, c)) if x != y), min(len(r), len(c))))
                 for row, (r, c) in enumerate(zip(a, b)) if r != c]  # fmt: skip
 
-    # (H200, 2026-11-28: the second prompt's rows differed from the compiler run's at their second token.) Replays of
-    # one recording must agree with it whatever the kernels; the recording must agree with the compiler run, whose
-    # kernels are Inductor's in "reduce-overhead" mode where the recording's are "default" mode's.
+    # A recording replays the kernels it recorded: its tokens are theirs launched one by one, bit for bit, at every
+    # replay (a stale input or state would show here).
     assert runs[1] == runs[0] and runs[2] == runs[0], f"replays differ: {differ(runs[1], runs[0])}"
-    assert runs[0] == compiler, f"recorded vs compiler: {differ(runs[0], compiler)}"
+    assert runs[0] == unrecorded, f"recorded vs its kernels unrecorded: {differ(runs[0], unrecorded)}"
     tokens = runs[0]
-    # (Compiled against eager, tokens are equal on CPU (tests/test_fast_generation.py); on the GPU Inductor's fp32
-    # kernels round differently from eager ones and this random tiny model's logits have near-ties.)
-    agree = sum(a == b for a, b in zip(tokens, plain))
-    print(f"recorded rows equal to the plain path's: {agree}/{len(plain)}")
-    assert generator.cuda_graph == "recorded" and generator._graphs.recorded == 1  # one recording, reused twice
+    # Other kernels choose other tokens where this random tiny model's bf16 logits nearly tie: torch.compile's own
+    # CUDA graphs ("reduce-overhead" mode, its own Inductor compile; H200, 2026-11-29: the second prompt's rows from
+    # their second token) and the plain path's eager kernels. Printed, not asserted; on CPU compiled and eager tokens
+    # are equal (tests/test_fast_generation.py).
+    assert all(len(c) >= 12 for c in compiler)
+    for name, other in (("torch.compile's CUDA graphs", compiler), ("the plain path", plain)):
+        print(f"recorded rows equal to {name}'s: {sum(a == b for a, b in zip(tokens, other))}/{len(other)}")
+    assert generator._graphs.recorded == 1  # one recording, reused twice
     assert generator.sample_in_graph and generator._kept_sampler is not None  # sampled inside the recording
-    assert fast("recorded", sample_in_graph=False) == compiler  # the forward recorded alone, sampled on the host
+    assert fast("recorded", sample_in_graph=False) == tokens  # the forward recorded alone, sampled on the host
     assert generator._graphs.recorded == 2
     # The merge and restore around each generation left the weights as they were, bit for bit.
     assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
@@ -105,7 +108,7 @@ def test_recorded_decode_gives_the_compiler_graphs_tokens(tiny_dir, tmp_path):
     layer = next(m for n, m in model.named_modules() if n.endswith("language_model.layers.0.self_attn.o_proj"))
     base = layer.get_base_layer()
     base.weight.data = base.weight.data.clone()
-    assert fast("recorded") == compiler
+    assert fast("recorded") == tokens
     assert generator._graphs.recorded == 3
 
 

@@ -37,6 +37,12 @@ class DecodeCaches:
         for old in list(kept)[: max(len(kept) - self.keep + 1, 0)]:
             self.graphs.forget(kept.pop(old))
 
+    def clear(self) -> None:
+        """Drop every kept cache and set of buffers, and the recordings made on them: their memory is freed."""
+        self.caches.clear()
+        self.decode_buffers.clear()
+        self.graphs.clear()
+
     def fitting_length(self, batch: int, needed: int, bucket: int, headroom: int = 0) -> int:
         """The cache length to decode `batch` rows needing `needed` slots in: the shortest kept cache of that batch
         that holds them, else `needed + headroom` rounded up to a multiple of `bucket` (a new cache)."""

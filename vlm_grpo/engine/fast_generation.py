@@ -47,24 +47,12 @@ from .decode_graph import DecodeGraphs, RecordingFailed
 from .fused_projections import FusedQKV
 from .lora_merge import MERGE_BACKUPS, BaseWeightBackup, merged_lora
 from .prefill import TurnCache, full_prefill
-from .quantized_generation import (
-    QuantizedGenerationUnsupported,
-    QuantizedLayers,
-    describe,
-    has_quantized_layers,
-)
+from .quantized_generation import QuantizedGenerationUnsupported, QuantizedLayers, describe, has_quantized_layers
 from .regional_decode import DecodeCompiler
 from .token_loop import DecodeBuffers, Sampler, on_device
 
-__all__ = [
-    "CUDA_GRAPHS",
-    "MERGE_BACKUPS",
-    "BaseWeightBackup",
-    "FastGenerator",
-    "FastPathUnavailable",
-    "group_prompts",
-    "merged_lora",
-]
+__all__ = ["CUDA_GRAPHS", "MERGE_BACKUPS", "BaseWeightBackup", "FastGenerator", "FastPathUnavailable", "group_prompts",
+           "merged_lora"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +61,7 @@ class FastPathUnavailable(RuntimeError):
     """Raised before any work is done when a batch cannot use the fast path; the caller uses the plain one."""
 
 
-CUDA_GRAPHS = ("recorded", "compiler")  # FastGenerator.cuda_graph
+CUDA_GRAPHS = ("recorded", "compiler", "off")  # FastGenerator.cuda_graph
 STATS = ("calls", "rows", "prefill_rows", "decode_steps", "prefill_tokens", "appended_rows")  # FastGenerator.stats
 
 
@@ -98,8 +86,9 @@ class FastGenerator:
         cache_bucket: the static cache length is rounded up to a multiple of this, so prompts of different
             lengths reuse one compiled graph.
         cuda_graph: how the compiled decode step becomes a CUDA graph: "recorded" (`engine.decode_graph`: recorded
-            once per batch shape and replayed, one launch per token) or "compiler" (`torch.compile`'s
-            reduce-overhead mode, which runs its guards and address checks at every token).
+            once per batch shape and replayed, one launch per token), "compiler" (`torch.compile`'s
+            reduce-overhead mode, which runs its guards and address checks at every token) or "off" (the recording's
+            compiled kernels launched one by one: slower, for telling a recording's fault from a kernel's).
         fused_qkv: with `merge_lora`, each decoder attention layer's q, k and v projections run as one GEMM over a
             stacked copy of their merged weights (`engine.fused_projections`).
         sample_in_graph: with recorded CUDA graphs and logits processors that read only the scores (temperature,
@@ -113,6 +102,9 @@ class FastGenerator:
             every turn then decodes in the first turn's cache, compiled and recorded once, not once per turn.
         regional_compile: with recorded CUDA graphs (or on CPU), compile the decode step one decoder layer at a time,
             one graph for all layers (`engine.regional_decode`: a first step in seconds, not a minute).
+        keep_decode_memory: keep the static caches, their recorded graphs and the stacked q/k/v weights from one call
+            to the next (recorded once); False frees them at the end of every call, for the scoring and training
+            that follow (Qwen3.5-4B at 2 x 8: ~1.4 GiB), and records again at the next call.
     """
 
     compile: bool | None = None
@@ -128,6 +120,7 @@ class FastGenerator:
     append_turns: bool = True
     turn_headroom: int = 0
     regional_compile: bool = True
+    keep_decode_memory: bool = True
     stats: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STATS, 0))
     _compiler: DecodeCompiler = field(default_factory=DecodeCompiler, repr=False)
     _graphs: DecodeGraphs = field(default_factory=DecodeGraphs, repr=False)
@@ -251,6 +244,10 @@ class FastGenerator:
                                                     generation_config, pad_token_id, media_counts)  # fmt: skip
         except (QuantizedGenerationUnsupported, UnservableCache) as error:  # nothing generated; weights restored
             raise FastPathUnavailable(str(error)) from error
+        if not self.keep_decode_memory:  # the tokens are on the host: every replay reading this memory is done
+            self._decode_caches.clear()
+            self._fused = None
+            self.turns.forget()
         self.stats["calls"] += 1
         self.stats["rows"] += len(prompt_ids)
         self.stats["prefill_rows"] += len(unique)
@@ -355,7 +352,7 @@ class FastGenerator:
         recorded = compiled and self.cuda_graph == "recorded" and len(devices) == 1 and device.type == "cuda"
         call = model.__call__
         if compiled:  # one graph per (batch, cache length); recorded graphs need Inductor's kernels without graphs
-            mode = "default" if recorded or device.type == "cpu" else "reduce-overhead"
+            mode = "default" if recorded or self.cuda_graph == "off" or device.type == "cpu" else "reduce-overhead"
             call = self._compiler.call(model, cache, mode, self.regional_compile)
 
         def token(sample: bool) -> torch.Tensor | None:

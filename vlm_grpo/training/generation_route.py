@@ -120,6 +120,7 @@ def make_generator(trainer: Any) -> FastGenerator:
         merge_lora=getattr(args, "fast_generation_merge_lora", True),
         merge_backup=getattr(args, "fast_generation_merge_backup", "auto"),
         quantized=getattr(args, "fast_generation_quantized", "auto"),
+        keep_decode_memory=getattr(args, "fast_generation_keep_decode_memory", True),
         # Only tool loops have later turns to continue; never where weights are gathered afresh for each call (no
         # way to tell they are the same).
         append_turns=_has_tools(trainer) and not gathered,
