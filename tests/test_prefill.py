@@ -139,6 +139,19 @@ def test_after_an_optimizer_step_the_turns_continue_caches_of_the_new_weights(ti
     replied &= (second["tool_mask"] == 0).cumsum(1) > 0
     assert replied.any() and float((second["scored"] - second["sampling_per_token_logps"]).abs()[replied].max()) < 1e-5
 
+    # With the decode memory freed after each rollout (fast_generation_keep_decode_memory=False): a rollout's turns
+    # still continue their caches, the loss still scores what was sampled, and nothing is kept after the rollout.
+    generator = trainer.fast_generator
+    generator.keep_decode_memory = False
+    trainer.state.global_step += 1
+    appended_before = generator.stats["appended_rows"]
+    third, stats = _scored_rollouts(trainer, first["rows"])
+    assert stats["appended_rows"] > appended_before
+    assert not generator._decode_caches.caches and generator._fused is None and generator.turns._last is None
+    replied = third["completion_mask"].bool() & third["tool_mask"].bool()
+    replied &= (third["tool_mask"] == 0).cumsum(1) > 0
+    assert replied.any() and float((third["scored"] - third["sampling_per_token_logps"]).abs()[replied].max()) < 1e-5
+
 
 def test_one_forward_appends_rows_of_different_lengths_as_a_full_prefill_would(tiny_dir):
     """Rows of a tool turn differ: cached prompts of different lengths (one with an image, one text only) and new

@@ -6,8 +6,7 @@ for a 3B VLM on an H100, where reading the weights takes ~2.5 ms). `FastGenerato
 model, its logits processors (temperature, top-k/p, min-p, repetition penalty, suppressed image tokens,
 min_new_tokens) and its position rules, and changes four things:
 
-1. Identical prompts (same token ids, same image pixels) are prefilled once: the vision tower and the
-   prompt run on the unique rows and the KV cache is copied to every completion of the group.
+1. Identical prompts (same token ids, same image pixels) are prefilled once, their cache copied to every completion.
 2. Decoding writes into a `StaticCache` whose length is rounded up to `cache_bucket` tokens, and the
    one-token forward is compiled (Inductor) and recorded as one CUDA graph (`engine.decode_graph`), so a run
    compiles once per (batch size, cache bucket) and a token costs one graph launch. The q/k/v projections run as
@@ -103,8 +102,9 @@ class FastGenerator:
         regional_compile: with recorded CUDA graphs (or on CPU), compile the decode step one decoder layer at a time,
             one graph for all layers (`engine.regional_decode`: a first step in seconds, not a minute).
         keep_decode_memory: keep the static caches, their recorded graphs and the stacked q/k/v weights from one call
-            to the next (recorded once); False frees them at the end of every call, for the scoring and training
-            that follow (Qwen3.5-4B at 2 x 8: ~1.4 GiB), and records again at the next call.
+            to the next (recorded once); False frees them after every call (with `append_turns`, the caller calls
+            `release` after a rollout's last turn), for the scoring and training that follow (Qwen3.5-4B at 2 x 8:
+            ~1.4 GiB by their shapes), and records again at the next call.
     """
 
     compile: bool | None = None
@@ -146,8 +146,7 @@ class FastGenerator:
         return self._backup
 
     def finish_restore(self) -> None:
-        """Make the current stream wait for base weights still being copied back (`generate(defer_restore=True)`):
-        afterwards any reader sees them whole."""
+        """Make the current stream wait for base weights still being copied back (`generate(defer_restore=True)`)."""
         if self._backup is not None:
             self._backup.wait()
 
@@ -176,14 +175,21 @@ class FastGenerator:
         return self._quantized_layers
 
     def fused_projections(self, model: nn.Module) -> FusedQKV | None:
-        """The stacked q/k/v weights for `model` (built on the first generation, rebuilt if its layers changed; None
-        when `fused_qkv` or `merge_lora` is off, or no layer qualifies)."""
+        """The stacked q/k/v weights for `model` (built on first use or when its layers changed; None when
+        `fused_qkv` or `merge_lora` is off, or no layer qualifies)."""
         # Unsloth's patched attention reads its projections' LoRA attributes directly: they stay as they are there.
         if not (self.fused_qkv and self.merge_lora) or uses_unsloth(model):
             return None
         if self._fused is None or not self._fused.matches(model):
             self._fused = FusedQKV(model)
         return self._fused if self._fused.sites else None
+
+    def release(self) -> None:
+        """Free what decoding keeps between calls (caches, their recordings, the stacked q/k/v, the last turn's cache):
+        the next call allocates and records them again (`keep_decode_memory=False`)."""
+        self._decode_caches.clear()
+        self._fused = self._kept_sampler = None
+        self.turns.forget()
 
     def describe_quantized(self) -> dict[str, Any]:
         """How quantised layers generate: mode, layers replaced, GiB of copies held (empty without any)."""
@@ -244,10 +250,9 @@ class FastGenerator:
                                                     generation_config, pad_token_id, media_counts)  # fmt: skip
         except (QuantizedGenerationUnsupported, UnservableCache) as error:  # nothing generated; weights restored
             raise FastPathUnavailable(str(error)) from error
-        if not self.keep_decode_memory:  # the tokens are on the host: every replay reading this memory is done
-            self._decode_caches.clear()
-            self._fused = None
-            self.turns.forget()
+        finally:  # (freed in stream order: a graph still replaying is destroyed when it completes)
+            if not (self.keep_decode_memory or self.append_turns):  # a tool rollout's turns: its caller frees after
+                self.release()
         self.stats["calls"] += 1
         self.stats["rows"] += len(prompt_ids)
         self.stats["prefill_rows"] += len(unique)

@@ -28,9 +28,9 @@ its concern:
 - `_tokenize_prompts`: each distinct prompt processed once; a batch with clips processed here (TRL has no video path:
   `vlm_grpo.media.processing`), each row's vision inputs kept for the forward passes; an environment's image fields
   as the tensors TRL's tool loop takes (`vlm_grpo.tools.rollouts`).
-- `_generate`: `[]` images for text-only rows (TRL's None breaks the processor); no images handed to TRL for a batch
-  with clips (its forward would process them without the clips); tool calls that did not parse logged
-  (`vlm_grpo.tools.rollouts`).
+- `_generate`: `[]` images for text-only rows (TRL's None breaks the processor); no images for a batch with clips (its
+  forward would process them without them); unparsed tool calls logged (`vlm_grpo.tools.rollouts`); the fast path's
+  decode memory freed after a tool rollout's last turn where `fast_generation_keep_decode_memory=False`.
 - `_generate_single_turn`: inference mode while generating (`vlm_grpo.models.modes`); completions from the fast generator
   unless it cannot serve the call (`vlm_grpo.training.generation_route`: TRL's `model.generate`, the reason logged once).
 - `_calculate_rewards`: rows reach the rewards in the dataset's own format (`vlm_grpo.data.rows.rows_for_rewards`); the
@@ -237,12 +237,10 @@ class VLMGRPOTrainer(GRPOTrainer):
         return output
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """`Trainer.save_model`, which also writes the model under FSDP with sharded checkpoints.
-
-        transformers writes nothing there (its checkpoints hold the shards), so a run's final `save_model` would
-        leave an empty directory. Checkpoints are written without transformers' bar, inside the training bar. Outside checkpointing the weights (the adapter, for LoRA) are gathered and written
-        as plain files. A collective: call it on every rank, as with any sharded model.
-        """
+        """`Trainer.save_model`, which also writes the model under FSDP with sharded checkpoints (transformers writes
+        nothing there, its checkpoints hold the shards): outside checkpointing the weights (the adapter, for LoRA) are
+        gathered and written as plain files; checkpoints without transformers' bar, inside the training bar. A
+        collective: call it on every rank, as with any sharded model."""
         plugin = self.accelerator.state.fsdp_plugin if self.is_fsdp_enabled else None
         if plugin is None or _internal_call or "FULL_STATE_DICT" in str(plugin.state_dict_type):
             # A checkpoint mid-training: transformers' "Writing model shards" bar would break into the training bar.
@@ -339,6 +337,8 @@ class VLMGRPOTrainer(GRPOTrainer):
             super()._generate(prompts)
         )
         mark_sampled(self, logprobs)
+        if not self.fast_generator.keep_decode_memory:  # a tool rollout's turns kept it until now (the rest: freed)
+            self.fast_generator.release()
         if self.tools:  # calls that did not parse: TRL counts them nowhere (`tools.rollouts`)
             log_malformed_calls(self, completions)
         if self._vision_rows is not None:
