@@ -71,10 +71,29 @@ def _qwen3_5_config(name: str):
     )  # fmt: skip
 
 
+SHALLOW = "-shallow"
+
+
+def _shallow(config):
+    """`config` cut to one layer of each kind (decoder: Qwen3.5's linear and full attention; vision: one block, full
+    attention): every class the training layers compile, at the real widths, for warming the compile caches of the
+    full model (`benchmarks/precompile_probe.py`)."""
+    text, vision = config.text_config, config.vision_config
+    kinds = list(dict.fromkeys(getattr(text, "layer_types", None) or ["full_attention"]))
+    text.num_hidden_layers, text.layer_types = len(kinds), kinds
+    vision.depth = 1
+    for key in ("fullatt_block_indexes", "deepstack_visual_indexes"):
+        if getattr(vision, key, None):
+            setattr(vision, key, [0])
+    return config
+
+
 def config(name: str):
-    """The transformers config of a named real architecture."""
+    """The transformers config of a named real architecture (`<name>-shallow`: one layer of each kind, `_shallow`)."""
     from transformers import Qwen2_5_VLConfig
 
+    if name.endswith(SHALLOW):
+        return _shallow(config(name[: -len(SHALLOW)]))
     if name in QWEN3_5:
         return _qwen3_5_config(name)
     if name not in TEXT:
@@ -113,6 +132,7 @@ def processor(name: str = "qwen2.5-vl-3b"):
     from vlm_grpo.media.processor import build_qwen_processor
     from vlm_grpo.tiny.qwen import _QWEN_TEMPLATE
 
+    name = name.removesuffix(SHALLOW)
     patch = 16 if name in QWEN3_5 else 14
     image_processor = Qwen2VLImageProcessorPil(
         patch_size=patch, merge_size=2, temporal_patch_size=2,
