@@ -17,7 +17,7 @@ pointed at folders under `--out`:
    path: only the training layers compile, one graph per layer class whatever the depth), then `precompiled` (the
    full model on what `shallow` left). On CPU (`precompile_probe.py`, tiny Qwen2.5-VL, compiled layers) the full
    model's step loaded all 6 of its training graphs from Inductor's cache after a one-layer run with another task and
-   completion length: 4.5 s against 26.3 s on empty caches. With another batch size it loaded 2 of 6.
+   completion length: 3.5 s against 22.0 s on empty caches. With another batch size it loaded 2 of 6.
 
 The table gives each run's first step split into generation, scoring and training (where compilation lands: the
 decode step in generation, the training layers in training), the model load, one later step for scale, and the

@@ -59,7 +59,8 @@ VLLM_SETTINGS = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_uti
 VIDEO_TRAINERS = ("vlm-grpo", "vlm-grpo-off")
 # vlm-grpo variants: the default (fast generation with LoRA merged while generating), the base weights kept in host
 # memory while merged (no GPU copy; fast_generation_merge_backup="host"), the vision tower attending window by window
-# (packed_vision_attention=False), LoRA left unmerged while generating, TRL's plain generation path (what vlm-grpo did before vlm_grpo.engine.fast_generation), and, for 4-bit / 8-bit
+# (packed_vision_attention=False), LoRA left unmerged while generating, TRL's plain generation path (what vlm-grpo
+# did before vlm_grpo.engine.fast_generation), and, for 4-bit / 8-bit
 # models, the memory-light quantised mode (the default "auto" picks "copy" when it fits). `trl-bf16` is plain TRL on
 # the 16-bit model even with --load_in_4bit: the memory reference a quantised run is held against.
 VLM_VARIANTS = {

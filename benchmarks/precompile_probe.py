@@ -21,11 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # real_arch
 
 
 def _step(path: str, task: str, batch: int, completion_length: int) -> dict:
@@ -53,20 +54,12 @@ def _step(path: str, task: str, batch: int, completion_length: int) -> dict:
 
 
 def _models(root: str) -> tuple[str, str]:
-    """The tiny Qwen2.5-VL (two decoder layers, two vision blocks) and its one-layer copy."""
-    from vlm_grpo.data import answer_words
-    from vlm_grpo.tiny import build_tiny_vlm
+    """The tiny Qwen2.5-VL (two decoder layers, two vision blocks) and its one-layer copy (`real_arch.py`)."""
+    from real_arch import build_checkpoint
 
-    full = build_tiny_vlm("qwen2_5_vl", os.path.join(root, "full"), words=answer_words("color", 1))
-    shallow = os.path.join(root, "shallow")
-    shutil.copytree(full, shallow)
-    with open(os.path.join(shallow, "config.json")) as f:
-        config = json.load(f)
-    config["text_config"].update(num_hidden_layers=1, layer_types=config["text_config"]["layer_types"][:1])
-    config["vision_config"].update(depth=1, fullatt_block_indexes=[0])
-    with open(os.path.join(shallow, "config.json"), "w") as f:
-        json.dump(config, f)
-    return full, shallow
+    return build_checkpoint("tiny", os.path.join(root, "full")), build_checkpoint(
+        "tiny-shallow", os.path.join(root, "shallow")
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -150,7 +150,7 @@ def build_checkpoint(name: str, out_dir: str, seed: int = 0) -> str:
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
     if name.startswith("tiny"):
-        return _tiny(out_dir, deep=name == "tiny-deep", seed=seed)
+        return _tiny(out_dir, name.removeprefix("tiny").removeprefix("-"), seed=seed)
     torch.manual_seed(seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
@@ -166,23 +166,29 @@ def build_checkpoint(name: str, out_dir: str, seed: int = 0) -> str:
     return out_dir
 
 
-def _tiny(out_dir: str, deep: bool, seed: int) -> str:
-    """The tiny Qwen2.5-VL (`vlm_grpo.tiny`); `deep`: at the 3B's depth (36 decoder layers, 32 vision blocks) with its
-    tiny widths, so a CPU step walks as many modules and calls as many layers as the 3B's, for little compute."""
+def _tiny(out_dir: str, kind: str, seed: int) -> str:
+    """The tiny Qwen2.5-VL (`vlm_grpo.tiny`); `kind` "deep": at the 3B's depth (36 decoder layers, 32 vision blocks)
+    with its tiny widths, so a CPU step walks as many modules and calls as many layers as the 3B's, for little
+    compute; "shallow": one layer of each kind (`_shallow`)."""
     import shutil
 
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from vlm_grpo.tiny import build_tiny_vlm
 
-    base = build_tiny_vlm("qwen2_5_vl", out_dir if not deep else out_dir + "-base", seed=seed)
-    if not deep:
+    base = build_tiny_vlm("qwen2_5_vl", out_dir if not kind else out_dir + "-base", seed=seed)
+    if not kind:
         return base
     config = AutoConfig.from_pretrained(base)
-    config.text_config.num_hidden_layers = TEXT["qwen2.5-vl-3b"]["num_hidden_layers"]
-    config.text_config.layer_types = ["full_attention"] * config.text_config.num_hidden_layers
-    config.vision_config.depth = VISION["depth"]
-    config.vision_config.fullatt_block_indexes = VISION["fullatt_block_indexes"]
+    if kind == "shallow":
+        _shallow(config)
+    elif kind == "deep":
+        config.text_config.num_hidden_layers = TEXT["qwen2.5-vl-3b"]["num_hidden_layers"]
+        config.text_config.layer_types = ["full_attention"] * config.text_config.num_hidden_layers
+        config.vision_config.depth = VISION["depth"]
+        config.vision_config.fullatt_block_indexes = VISION["fullatt_block_indexes"]
+    else:
+        raise ValueError(f"Unknown tiny model tiny-{kind}: tiny, tiny-deep or tiny-shallow.")
     torch.manual_seed(seed)
     tmp = out_dir + ".tmp"
     AutoModelForImageTextToText.from_config(config).save_pretrained(tmp)

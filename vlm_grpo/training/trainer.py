@@ -337,8 +337,8 @@ class VLMGRPOTrainer(GRPOTrainer):
             super()._generate(prompts)
         )
         mark_sampled(self, logprobs)
-        if not self.fast_generator.keep_decode_memory:  # a tool rollout's turns kept it until now (the rest: freed)
-            self.fast_generator.release()
+        if not (generator := self.fast_generator).keep_decode_memory and generator.append_turns:  # left to us
+            generator.release()  # a tool rollout's turns kept their caches until now
         if self.tools:  # calls that did not parse: TRL counts them nowhere (`tools.rollouts`)
             log_malformed_calls(self, completions)
         if self._vision_rows is not None:
