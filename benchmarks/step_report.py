@@ -23,6 +23,10 @@ def summary(run: dict, args) -> dict:
     med["ms_per_token"] = 1000 * med["generation_s"] / args.completion_length  # prefill included: an upper bound
     peak_step = max(run["steps"], key=lambda r: r["peak_gib"])
     med["peak_phases_gib"] = peak_step.get("peak_phases_gib") or {}  # the peakiest step's peak by phase
+    later = [r.get("peak_phases_gib") or {} for r in measured]
+    med["later_phases_gib"] = {k: max(p[k] for p in later if k in p) for k in {k for p in later for k in p}}
+    # Every step's time, warm-up first: a median hides one slow step (a pause, a recompile) that the phases miss.
+    med["step_times_s"] = [round(r["total_s"], 2) for r in run["steps"]]
     med["graphs"] = run.get("compiled_graphs", 0)
     med["steps"] = len(run["steps"])
     return med
@@ -76,6 +80,13 @@ def markdown(summaries: dict, args, env: dict, variants: dict) -> str:
         for name, s in summaries.items():
             p = s["peak_phases_gib"]
             lines.append(f"| {name} | " + " | ".join(f"{p[k]:.1f}" if k in p else "" for k in ("generation", "scoring", "training")) + " |")  # fmt: skip
+        lines += ["", "| trainer | after the first step: peak GiB in generation | in scoring | in training |",
+                  "|---|---|---|---|"]  # fmt: skip
+        for name, s in summaries.items():
+            p = s["later_phases_gib"]
+            lines.append(f"| {name} | " + " | ".join(f"{p[k]:.1f}" if k in p else "" for k in ("generation", "scoring", "training")) + " |")  # fmt: skip
+    lines += ["", "| trainer | every step s, the warm-up first |", "|---|---|"]
+    lines += [f"| {name} | {' '.join(f'{t:.2f}' for t in s['step_times_s'])} |" for name, s in summaries.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -37,3 +37,26 @@ def test_tiny_deep_has_the_3b_depth_at_tiny_widths(tmp_path):
     files = set(os.listdir(path))
     assert {"tokenizer.json", "processor_config.json", "chat_template.jinja", "model.safetensors"} <= files
     assert build_checkpoint("tiny-deep", path) == path  # reused, not rebuilt
+
+
+def test_the_report_lists_every_step_and_the_later_peaks_by_phase():
+    # A median of three steps hides one slow step; the first step's peak (the merge's backup) hides the later ones.
+    from types import SimpleNamespace
+
+    from step_report import markdown, summary
+
+    def step(total, gen_peak):
+        phases = {"generation": gen_peak, "scoring": 10.0, "training": 14.0}
+        return {"total_s": total, "generation_s": 1.0, "scoring_s": 0.3, "training_s": 0.7,
+                "peak_gib": max(phases.values()), "peak_phases_gib": phases}  # fmt: skip
+
+    args = SimpleNamespace(prompts=2, num_generations=8, completion_length=256, video_frames=0, image_size=448,
+                           model="m", full=False, no_gradient_checkpointing=False, load_in_4bit=False,
+                           load_in_8bit=False, beta=0.04, memory_cap_gib=0, warmup_steps=1, steps=4, steps_trl=3,
+                           profile_step=0)  # fmt: skip
+    s = summary({"steps": [step(30.0, 17.2), step(2.4, 9.0), step(3.1, 9.5), step(2.5, 9.2)]}, args)
+    assert s["total_s"] == 2.5 and s["step_times_s"] == [30.0, 2.4, 3.1, 2.5]
+    assert s["peak_gib"] == 17.2 and s["later_peak_gib"] == 14.0
+    assert s["later_phases_gib"] == {"generation": 9.5, "scoring": 10.0, "training": 14.0}
+    table = markdown({"vlm-grpo": s}, args, {"gpu": "x", "torch": "", "transformers": "", "trl": "", "peft": ""}, {})
+    assert "| vlm-grpo | 30.00 2.40 3.10 2.50 |" in table and "| vlm-grpo | 9.5 | 10.0 | 14.0 |" in table

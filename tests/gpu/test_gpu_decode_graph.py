@@ -80,7 +80,7 @@ def _worst_greedy_gap(trainer, batch, completions, min_new_tokens):
     device = next(model.parameters()).device
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
-    extra = {k: fields[k] for k in ("pixel_values", "image_grid_thw") if k in fields}
+    extra = {k: fields[k].to(device) for k in ("pixel_values", "image_grid_thw") if k in fields}
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, **extra).logits.float()
     worst = []

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-__all__ = ["CHECKPOINT_FOLDER", "CompileCache", "artifact_key", "default_cache_dir"]
+__all__ = ["CHECKPOINT_FOLDER", "CompileCache", "artifact_key", "compiled_count", "default_cache_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def artifact_key(model: torch.nn.Module) -> str:
     return hashlib.sha256(blob).hexdigest()[:20]
 
 
-def _compiled_count() -> int:
+def compiled_count() -> int:
     """Graphs compiled or fetched from a cache so far in this process (grows when a step compiled something)."""
     if "torch._dynamo" not in sys.modules:  # nothing compiled: not worth importing Dynamo to count it
         return 0
@@ -131,7 +131,7 @@ class CompileCache(TrainerCallback):
         directory; returns the file loaded, or None (none there, or off)."""
         if self.directory is None:
             return None
-        self._saved_count = _compiled_count()
+        self._saved_count = compiled_count()
         candidates = [self._file(os.path.join(checkpoint, CHECKPOINT_FOLDER))] if checkpoint else []
         candidates.append(self._file(self.directory))
         for path in candidates:
@@ -171,7 +171,7 @@ class CompileCache(TrainerCallback):
         return path
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        count = _compiled_count()
+        count = compiled_count()
         if count > self._saved_count and state.is_local_process_zero:
             self._saved_count = count
             self._artifacts = None  # new graphs: serialise again

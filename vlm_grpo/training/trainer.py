@@ -82,6 +82,7 @@ from .checkpoint_writes import writing_checkpoint
 from .checkpoints import load_full_weights, newest_complete_checkpoint
 from .config import VLMGRPOConfig
 from .dynamic_sampling import DynamicSampler, DynamicSamplingState
+from .gc_freeze import FreezeLongLived
 from .generation_route import fast_generate, make_generator, prepare_generation_copy, uses_generation_copy
 from .inputs import prepare_inputs
 from .nonfinite import NonFiniteGuard
@@ -139,11 +140,8 @@ class VLMGRPOTrainer(GRPOTrainer):
         if args is None:
             args = VLMGRPOConfig(output_dir="vlm-grpo-output")
         ready = prepare_inputs(model, reward_funcs, args, train_dataset, eval_dataset, processing_class, kwargs)
-        self.pixel_budget, self.video_budget, self.skipped_rows = (
-            ready.pixel_budget,
-            ready.video_budget,
-            ready.skipped_rows,
-        )
+        self.pixel_budget, self.video_budget = ready.pixel_budget, ready.video_budget
+        self.skipped_rows = ready.skipped_rows
         fresh_adapter = is_fresh_lora(ready.model)
         # vLLM's sampling settled (and refused where vLLM cannot apply it) before vLLM loads (`engine.vllm_sampling`).
         vllm = vllm_sampling(args, ready.model, ready.processing_class) if args.use_vllm else None
@@ -179,9 +177,7 @@ class VLMGRPOTrainer(GRPOTrainer):
             self.add_callback(RewardProgressBar())
         self.add_callback(CheckpointModesCallback())
         self.nonfinite_guard = NonFiniteGuard(self)  # NaN / inf steps skipped, counted, the run stopped after a few
-        self.add_callback(self.nonfinite_guard)
         self.preemption = PreemptionCallback()  # SIGTERM: a checkpoint and a stop at the end of the step
-        self.add_callback(self.preemption)
         self.fast_generator = make_generator(self)
         self.generation_copy = GenerationCopy()  # under FSDP2, what the fast generator decodes from (`train`)
         self._fast_generation_fallbacks: set[str] = set()
@@ -192,7 +188,10 @@ class VLMGRPOTrainer(GRPOTrainer):
         self.compiled_layers = CompiledLayers()
         self._compile_layers()
         self.compile_cache = CompileCache.for_trainer(unwrapped, getattr(args, "compile_cache_dir", None))
-        self.add_callback(self.compile_cache)  # saves what the steps compile, for the next run
+        # compile_cache saves what the steps compile, for the next run; gc_freeze spares the steps full collections
+        self.gc_freeze = FreezeLongLived.as_configured(getattr(args, "gc_freeze", None), unwrapped)
+        for callback in (self.nonfinite_guard, self.preemption, self.compile_cache, self.gc_freeze):
+            self.add_callback(callback)
         self.dynamic_sampler = (
             DynamicSampler(self, self._score_rollouts) if getattr(args, "dynamic_sampling", False) else None
         )
@@ -233,6 +232,7 @@ class VLMGRPOTrainer(GRPOTrainer):
             output = super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             self.compiled_layers.detach()
+            self.gc_freeze.release()  # the collector gets back what the run froze, even after an error
         self.preemption.raise_if_stopped(self.args.output_dir, self.state.global_step)
         return output
 

@@ -1,0 +1,96 @@
+"""`vlm_grpo.training.gc_freeze`: a real tiny GRPO run freezes what lives all run after its first step, and after a step
+that compiled, and gives it back to the collector when `train()` ends, also when it fails."""
+
+import gc
+
+import pytest
+from datasets import Dataset
+from PIL import Image
+from transformers import TrainerCallback
+
+from vlm_grpo import FastVisionModel, VLMGRPOConfig, VLMGRPOTrainer
+from vlm_grpo.training.gc_freeze import FreezeLongLived
+
+
+def _rows(n: int = 4) -> Dataset:
+    image = Image.new("RGB", (56, 56), (200, 30, 30))
+    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"Colour {i}?"}], "image": image}
+                              for i in range(n)])  # fmt: skip
+
+
+class _FrozenCounts(TrainerCallback):
+    """Records gc's frozen-object count as each step begins: what the steps before it left frozen."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.counts.append(gc.get_freeze_count())
+
+
+def _trainer(tiny_dir, tmp_path, reward, **config) -> tuple[VLMGRPOTrainer, _FrozenCounts]:
+    model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"), full_finetuning=True)
+    args = VLMGRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2,
+                         max_completion_length=3, max_steps=3, report_to="none", save_strategy="no", use_cpu=True,
+                         disable_tqdm=True, **{"gc_freeze": True, **config})  # fmt: skip
+    counts = _FrozenCounts()
+    trainer = VLMGRPOTrainer(model, [reward], args=args, train_dataset=_rows(), processing_class=processor,
+                             callbacks=[counts])  # fmt: skip
+    return trainer, counts
+
+
+def _length(prompts, completions, **kwargs):
+    return [float(len(str(c))) for c in completions]
+
+
+def test_the_run_is_frozen_after_its_first_step_and_unfrozen_after(tiny_dir, tmp_path):
+    gc.unfreeze()
+    trainer, counts = _trainer(tiny_dir, tmp_path, _length)
+    trainer.train()
+    # Nothing before the first step; after it the model, TRL's trainer, the datasets... (~0.6 million objects).
+    assert counts.counts[0] == 0 and len(counts.counts) == 3 and min(counts.counts[1:]) > 10_000, counts.counts
+    assert gc.get_freeze_count() == 0  # given back when train() ended
+
+
+@pytest.mark.parametrize("setting", [False, None])  # None, the default: on for a GPU model, off for this CPU one
+def test_off_freezes_nothing(tiny_dir, tmp_path, setting):
+    gc.unfreeze()
+    trainer, counts = _trainer(tiny_dir, tmp_path, _length, gc_freeze=setting)
+    assert trainer.gc_freeze.enabled is False
+    trainer.train()
+    assert counts.counts == [0, 0, 0]
+
+
+def test_a_failed_run_gives_back_what_it_froze(tiny_dir, tmp_path):
+    gc.unfreeze()
+    calls = []
+
+    def fails_on_the_second_step(prompts, completions, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the reward broke")
+        return _length(prompts, completions)
+
+    trainer, counts = _trainer(tiny_dir, tmp_path, fails_on_the_second_step)
+    with pytest.raises(Exception, match="the reward broke"):
+        trainer.train()
+    assert counts.counts[1] > 10_000 and gc.get_freeze_count() == 0  # frozen in step 2, given back as it failed
+
+
+def test_a_step_that_compiled_freezes_again_and_others_do_not():
+    # The callback alone, between steps that compile a real function with torch.compile or compile nothing: objects made
+    # after a freeze are frozen only by a later step that compiled.
+    import torch
+
+    gc.unfreeze()
+    callback, state = FreezeLongLived(), type("State", (), {"global_step": 1})()
+    callback.on_step_end(None, state, None)  # the first step: frozen whatever it compiled
+    first = gc.get_freeze_count()
+    kept = [object.__new__(type("Made", (), {})) for _ in range(1000)]  # new long-lived objects, tracked
+    callback.on_step_end(None, state, None)  # nothing compiled: no new freeze
+    assert gc.get_freeze_count() == first
+    torch.compile(lambda x: x * 3 + 1)(torch.ones(3))
+    callback.on_step_end(None, state, None)  # compiled: frozen again, the new objects with it
+    assert gc.get_freeze_count() > first + len(kept)
+    callback.release()
+    assert gc.get_freeze_count() == 0
