@@ -1,8 +1,9 @@
-"""Python's garbage-collection pauses in each GRPO step, with `gc_freeze` on (the default) and off.
+"""Python's garbage-collection pauses in each GRPO step, with `gc_freeze` on (the default on a GPU) and off.
 
 A full collection walks every object the collector tracks; after a first step that compiled the training layers there
 are ~0.7 million on `--model tiny-deep` (the 3B's 36 decoder layers and 32 vision blocks at tiny widths, on CPU).
-Each arm runs in its own process; the table lists every step's time and the collections in it by generation.
+Each arm runs in its own process; the table lists every step's time (with the freeze that follows it) and the full
+collections in it, and the objects the collector tracks and those frozen after it.
 
     python benchmarks/gc_pauses.py --steps 8            # CPU, ~3 minutes; results in docs/benchmarks.md
 """
@@ -42,14 +43,25 @@ def run_arm(freeze: bool, steps: int, model: str) -> list[dict]:
     records: list[dict] = []
 
     class Steps(TrainerCallback):
+        """A step's time runs from its begin to the next step's (or the run's end): the freeze that follows a step's
+        end (a later callback's, with its collection) counts in the step it follows, as do the collections in it."""
+
+        start: float | None = None
+
+        def _close(self, state) -> None:
+            if self.start is not None:
+                records.append({"step": state.global_step, "step_s": time.perf_counter() - self.start,
+                                "collections": {g: [len(p), 1000 * sum(p)] for g, p in pauses.items()},
+                                "tracked": len(gc.get_objects()), "frozen": gc.get_freeze_count()})  # fmt: skip
+
         def on_step_begin(self, args, state, control, **kwargs):
+            self._close(state)
             for p in pauses.values():
                 p.clear()
             self.start = time.perf_counter()
 
-        def on_step_end(self, args, state, control, **kwargs):
-            records.append({"step": state.global_step, "step_s": time.perf_counter() - self.start,
-                            "collections": {g: [len(p), 1000 * sum(p)] for g, p in pauses.items()}})  # fmt: skip
+        def on_train_end(self, args, state, control, **kwargs):
+            self._close(state)
 
     path = build_checkpoint(model, os.path.join(tempfile.gettempdir(), f"ckpt-{model}"))
     model_, processor = FastVisionModel.from_pretrained(path)
@@ -84,11 +96,12 @@ def main() -> None:
                               args.model], capture_output=True, text=True, check=True).stdout  # fmt: skip
         arms[arm] = json.loads(next(line for line in out.splitlines() if line.startswith("RECORDS "))[8:])
     print(f"{args.model}, {args.steps} steps, 8 rows a step, compiled training layers, one CPU thread\n")
-    print("| step | gc_freeze off: step s | full collections (ms) | gc_freeze on: step s | full collections (ms) |")
-    print("|---|---|---|---|---|")
+    print("| step | gc_freeze off: step s | full collections (ms) | objects tracked | gc_freeze on: step s "
+          "| full collections (ms) | objects tracked / frozen |\n|---|---|---|---|---|---|---|")  # fmt: skip
     for off, on in zip(arms["off"], arms["on"]):
-        cells = [f"{r['step_s']:.2f} | {r['collections']['2'][0]} ({r['collections']['2'][1]:.0f})" for r in (off, on)]
-        print(f"| {off['step']} | " + " | ".join(cells) + " |")
+        print(f"| {off['step']} | {off['step_s']:.2f} | {off['collections']['2'][0]} ({off['collections']['2'][1]:.0f}) "
+              f"| {off['tracked']} | {on['step_s']:.2f} | {on['collections']['2'][0]} ({on['collections']['2'][1]:.0f}) "
+              f"| {on['tracked']} / {on['frozen']} |")  # fmt: skip
 
 
 if __name__ == "__main__":

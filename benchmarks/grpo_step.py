@@ -38,18 +38,8 @@ sys.path.insert(0, HERE)
 import forced_tools  # benchmarks/ is on the path from here
 from step_report import failure_line
 
-TRAINERS = (
-    "vlm-grpo",
-    "trl",
-    "trl-static",
-    "vlm-grpo-host",
-    "vlm-grpo-unpacked",
-    "vlm-grpo-unmerged",
-    "vlm-grpo-plain",
-    "vlm-grpo-light",
-    "trl-bf16",
-    "vlm-grpo-off",
-)
+TRAINERS = ("vlm-grpo", "trl", "trl-static", "vlm-grpo-host", "vlm-grpo-unpacked", "vlm-grpo-unmerged", "vlm-grpo-plain",
+            "vlm-grpo-light", "trl-bf16", "vlm-grpo-off")  # fmt: skip
 # Rollouts through vLLM (colocate, 0.3 of the GPU, as TRL documents it): TRL's own path, TRL's with the pad tokens kept
 # out through `generation_kwargs` as a user would (its path does not block them: a sampled one crashes scoring), and
 # ours (`use_vllm=True`). Not in the default set: they need vLLM installed (pip install 'vlm-grpo[vllm]').
@@ -67,6 +57,7 @@ VLM_VARIANTS = {
     "vlm-grpo": {},
     "vlm-grpo-host": {"fast_generation_merge_backup": "host"},
     "vlm-grpo-free-decode": {"fast_generation_keep_decode_memory": False},  # decode caches freed after generating
+    "vlm-grpo-gc-freeze": {"gc_freeze": True},  # long-lived objects frozen out of Python's full collections
     "vlm-grpo-unpacked": {"packed_vision_attention": False},
     "vlm-grpo-unmerged": {"fast_generation_merge_lora": False},
     "vlm-grpo-plain": {"fast_generation": False},

@@ -27,6 +27,7 @@ def summary(run: dict, args) -> dict:
     med["later_phases_gib"] = {k: max(p[k] for p in later if k in p) for k in {k for p in later for k in p}}
     # Every step's time, warm-up first: a median hides one slow step (a pause, a recompile) that the phases miss.
     med["step_times_s"] = [round(r["total_s"], 2) for r in run["steps"]]
+    med["profiled_steps"] = [i for i, r in enumerate(run["steps"]) if r.get("profiled")]
     med["graphs"] = run.get("compiled_graphs", 0)
     med["steps"] = len(run["steps"])
     return med
@@ -85,8 +86,10 @@ def markdown(summaries: dict, args, env: dict, variants: dict) -> str:
         for name, s in summaries.items():
             p = s["later_phases_gib"]
             lines.append(f"| {name} | " + " | ".join(f"{p[k]:.1f}" if k in p else "" for k in ("generation", "scoring", "training")) + " |")  # fmt: skip
-    lines += ["", "| trainer | every step s, the warm-up first |", "|---|---|"]
-    lines += [f"| {name} | {' '.join(f'{t:.2f}' for t in s['step_times_s'])} |" for name, s in summaries.items()]
+    lines += ["", "| trainer | every step s, the warm-up first (* under the profiler) |", "|---|---|"]
+    for name, s in summaries.items():
+        marked = (f"{t:.2f}{'*' if i in s.get('profiled_steps', ()) else ''}" for i, t in enumerate(s["step_times_s"]))
+        lines.append(f"| {name} | {' '.join(marked)} |")
     return "\n".join(lines) + "\n"
 
 

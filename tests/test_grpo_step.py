@@ -60,3 +60,7 @@ def test_the_report_lists_every_step_and_the_later_peaks_by_phase():
     assert s["later_phases_gib"] == {"generation": 9.5, "scoring": 10.0, "training": 14.0}
     table = markdown({"vlm-grpo": s}, args, {"gpu": "x", "torch": "", "transformers": "", "trl": "", "peft": ""}, {})
     assert "| vlm-grpo | 30.00 2.40 3.10 2.50 |" in table and "| vlm-grpo | 9.5 | 10.0 | 14.0 |" in table
+    profiled = [step(30.0, 17.2), step(2.4, 9.0), {**step(9.0, 9.0), "profiled": True}]
+    assert "| vlm-grpo | 30.00 2.40 9.00* |" in markdown({"vlm-grpo": summary({"steps": profiled}, args)}, args,
+                                                        {"gpu": "x", "torch": "", "transformers": "", "trl": "",
+                                                         "peft": ""}, {})  # fmt: skip

@@ -220,13 +220,14 @@ class VLMGRPOConfig(GRPOConfig):
                   "~/.cache/vlm_grpo/compile; \"none\": off. See vlm_grpo.engine.compile_cache."},
     )  # fmt: skip
     gc_freeze: bool | None = field(
-        default=None,
+        default=False,
         metadata={"help": "After the first step and each step that compiled something, collect garbage once and "
                   "freeze what is alive (gc.freeze(), as vLLM does after capturing its graphs), so that Python's full "
-                  "collections skip the model and the compiled code (a full collection over the tiny 36-layer model's "
-                  "0.7 million objects: 360 ms, at a step nobody chose); unfrozen when train() ends. None: on for a "
-                  "model on a GPU, off on CPU (short tiny runs, where the one collection costs more than it saves). "
-                  "See vlm_grpo.training.gc_freeze."},
+                  "collections skip the model and the compiled code (one over the tiny 36-layer model's 0.7 million "
+                  "objects: 360 ms, in a step nobody chose); unfrozen when train() ends (with anything frozen before "
+                  "it: Python cannot unfreeze only some). None: on where training runs on a GPU, off on CPU. Off by "
+                  "default until a GPU run measures it (on CPU it is a wash over 8 steps). See "
+                  "vlm_grpo.training.gc_freeze."},
     )  # fmt: skip
     shared_prefix: bool = field(
         default=True,
