@@ -258,3 +258,34 @@ def test_attention_given_a_cache_runs_as_written_not_one_graph_per_layer(tiny_di
     for name, grad in eager.items():
         assert (grads[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-8, name
     compiled.detach()
+
+
+class _LinearAttentionLike(torch.nn.Module):
+    """Takes its cache as transformers 5.17's Qwen3.5 linear attention does (`cache_params`), finding its layer in it
+    by `layer_idx` (on which Dynamo would specialise: one graph per layer)."""
+
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx, self.proj = layer_idx, torch.nn.Linear(4, 4)
+
+    def forward(self, hidden_states, cache_params=None):
+        out = self.proj(hidden_states)
+        if cache_params is not None:
+            cache_params[self.layer_idx] = out.detach()
+        return out
+
+
+def test_a_call_given_its_cache_as_cache_params_runs_as_written():
+    torch._dynamo.reset()
+    layers = [_LinearAttentionLike(i) for i in range(3)]
+    for layer in layers:
+        layer.forward = _TrainingForward(layer)
+    x = torch.randn(2, 5, 4, requires_grad=True)
+    before = counters["stats"]["unique_graphs"]
+    cache: dict = {}
+    for layer in layers:  # the prompt-cache scorer's training forward: eager, no graph per layer
+        layer(x, cache_params=cache).sum().backward()
+    assert sorted(cache) == [0, 1, 2] and counters["stats"]["unique_graphs"] == before
+    for layer in layers:  # without a cache: compiled, one graph for the class
+        layer(x).sum().backward()
+    assert counters["stats"]["unique_graphs"] == before + 1

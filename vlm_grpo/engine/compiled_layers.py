@@ -243,8 +243,9 @@ class _TrainingForward:
         return self.forward(self.module, *args, **kwargs)
 
 
-# The names under which transformers' attention takes a KV cache, across versions.
-_CACHE_KWARGS = ("past_key_values", "cache", "past_key_value", "layer_past")
+# The names under which transformers' attention takes a KV cache, across versions (Qwen3.5's linear attention:
+# `cache_params` in transformers 5.17, the GPU machine's, `cache` in 5.24).
+_CACHE_KWARGS = ("past_key_values", "cache", "cache_params", "past_key_value", "layer_past")
 
 
 def _given_cache(kwargs: dict[str, Any]) -> bool:
