@@ -1,4 +1,4 @@
-"""Python's garbage-collection pauses in each GRPO step, with `gc_freeze` on (the default on a GPU) and off.
+"""Python's garbage-collection pauses in each GRPO step, with `gc_freeze` on and off (off by default).
 
 A full collection walks every object the collector tracks; after a first step that compiled the training layers there
 are ~0.7 million on `--model tiny-deep` (the 3B's 36 decoder layers and 32 vision blocks at tiny widths, on CPU).
