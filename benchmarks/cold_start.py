@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="qwen2.5-vl-3b")
     parser.add_argument("--out", required=True, help="a new folder: its caches/ must start empty for `fresh`")
     parser.add_argument("--no_trl", action="store_true", help="leave TRL's first step out of the fresh run")
+    parser.add_argument("--trainer", default="vlm-grpo", help="the vlm-grpo variant started (grpo_step.py's trainers, "
+                        "e.g. vlm-grpo-layers)")  # fmt: skip
     parser.add_argument("--precompiled", action="store_true",
                         help="two more runs on caches of their own: `shallow`, the model cut to one layer of each kind "
                         "(real_arch.py's `-shallow`) on TRL's generation path, so that only the training layers "
@@ -141,8 +143,8 @@ def main(argv: list[str] | None = None) -> None:
         os.listdir(os.path.join(args.out, "caches", folder)) for folder in os.listdir(os.path.join(args.out, "caches"))
     ):
         raise SystemExit(f"{args.out}/caches is not empty, so the first run would not be fresh: give a new --out.")
-    runs = {"fresh": _run("fresh", "vlm-grpo" if args.no_trl else "vlm-grpo,trl", args, forwarded)}
-    runs["cached"] = _run("cached", "vlm-grpo", args, forwarded)
+    runs = {"fresh": _run("fresh", args.trainer if args.no_trl else f"{args.trainer},trl", args, forwarded)}
+    runs["cached"] = _run("cached", args.trainer, args, forwarded)
     if args.precompiled:  # the training layers compiled on a one-layer copy first, in empty caches of their own
         runs["shallow"] = _run("shallow", "vlm-grpo-plain", args, forwarded, args.model + "-shallow", "caches-pre")
         runs["precompiled"] = _run("precompiled", "vlm-grpo", args, forwarded, caches="caches-pre")

@@ -24,6 +24,8 @@ those two are the default trainers then.
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
 import json
 import os
 import statistics
@@ -73,6 +75,7 @@ VLM_VARIANTS = {
     "vlm-grpo-dynamic": {"compile_layers_dynamic": "all"},  # the layers compiled with dynamic shapes from the start
     "vlm-grpo-length": {"compile_layers_dynamic": "length"},  # ... with the rows' length a symbol from the start
     "vlm-grpo-auto": {"compile_layers_dynamic": "auto"},  # ... torch's default: static, then dynamic at a new length
+    "vlm-grpo-layers": {"compile_layers_unit": "layers"},  # each decoder layer's training forward one compiled graph
 }
 # Variants set on the trainer's FastGenerator: `vlm-grpo-round3` samples on the host after the recorded forward and
 # copies the base weights back before the scoring forward, not beside it (engine/token_loop.py, engine/lora_merge.py).
@@ -82,12 +85,8 @@ GENERATOR_VARIANTS = {"vlm-grpo-round3": {"sample_in_graph": False, "overlap_res
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--model",
-        default="qwen2.5-vl-3b",
-        help="qwen2.5-vl-3b or qwen2.5-vl-7b (random weights); tiny: CPU smoke test; tiny-deep: tiny widths at the "
-        "3B's depth (36 + 32 layers), the host time of a step on CPU",
-    )
+    p.add_argument("--model", default="qwen2.5-vl-3b", help="qwen2.5-vl-3b or qwen2.5-vl-7b (random weights); tiny: "
+                   "CPU smoke test; tiny-deep: tiny widths at the 3B's depth (36 + 32 layers), a step's host time on CPU")  # fmt: skip
     p.add_argument("--image_size", type=int, default=448, help="side of the square synthetic images (or frames)")
     p.add_argument("--video_frames", type=int, default=0,
                    help="frames per clip: every prompt holds a clip instead of an image (0: images)")  # fmt: skip
@@ -113,21 +112,16 @@ def parse_args(argv=None):
                    help="cap every process at this much GPU memory (torch.cuda.set_per_process_memory_fraction), "
                    "e.g. 24 for a 24 GB card; a run that needs more fails with an out-of-memory error")  # fmt: skip
     p.add_argument("--beta", type=float, default=0.04)
-    p.add_argument(
-        "--trainers",
-        default=None,
-        help="comma-separated subset of "
-        + ",".join(TRAINERS + VLLM_TRAINERS)
-        + " (default: all; with --video_frames: "
-        + ",".join(VIDEO_TRAINERS)
-        + ")",
-    )
+    p.add_argument("--trainers", default=None, help=f"comma-separated subset of {','.join(TRAINERS + VLLM_TRAINERS)} "
+                   f"(default: all; with --video_frames: {','.join(VIDEO_TRAINERS)})")  # fmt: skip
     p.add_argument("--profile_step", type=int, default=0,
                    help="run this step of each trainer under torch.profiler and the next under cProfile "
                    "(step_profile.py: host and device time per phase; needs --steps >= profile_step + 1)")  # fmt: skip
     p.add_argument("--memory_peak", type=int, default=0,
                    help="record every allocation over this step and report what holds the memory at its peak, by the "
                    "code that allocated it (memory_peak.py; CUDA only)")  # fmt: skip
+    p.add_argument("--inductor", default="", help="Inductor settings for every run, e.g. 'triton.autotune_pointwise="
+                   "False,dynamic_scale_rblock=False' (what they cost or save in compile and step time)")  # fmt: skip
     p.add_argument("--checkpoint_dir", default="/tmp/vlm-grpo-bench", help="where the random checkpoint is cached")
     p.add_argument("--out", default="benchmarks/results", help="output folder for results.json / results.md")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -168,9 +162,23 @@ def _reward(prompts, completions, **kwargs):
     return [float(len(str(c)) % 7) for c in completions]
 
 
+def apply_inductor_settings(text: str) -> dict:
+    """Set `--inductor`'s "key=value,..." on torch._inductor.config (dotted keys: `triton.autotune_pointwise`)."""
+    import torch._inductor.config
+
+    pairs = (item.split("=", 1) for item in filter(None, text.split(",")))
+    settings = {key.strip(): ast.literal_eval(value.strip()) for key, value in pairs}
+    for key, value in settings.items():
+        *parents, leaf = key.split(".")
+        setattr(functools.reduce(getattr, parents, torch._inductor.config), leaf, value)
+    return settings
+
+
 def run_worker(args) -> None:
     import torch
     from real_arch import build_checkpoint
+
+    apply_inductor_settings(args.inductor)
 
     from vlm_grpo.compat import checkpointing_settings
 

@@ -14,6 +14,7 @@ from vlm_grpo.engine.compiled_layers import (
     CompiledLayers,
     _TrainingForward,
     detach_all,
+    is_training_forward,
     unsupported_reason,
 )
 from vlm_grpo.models.loader import FastVisionModel
@@ -73,6 +74,65 @@ def test_loss_and_every_gradient_match_the_eager_layers(tiny_dir, tmp_path, fres
     assert not compiled.modules and not any("forward" in vars(m) for m in modules)  # their class's forward again
 
 
+@pytest.mark.trains
+def test_whole_layers_give_the_eager_loss_and_every_gradient_with_one_graph_per_layer_class(
+    tiny_dir, tmp_path, fresh_dynamo
+):
+    # unit="layers": each decoder layer is one compiled call (its norms and residual adds inside); the Qwen-VL vision
+    # blocks keep their MLP compiled apart (their attention reads window lengths on the host).
+    trainer = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", gc=True)
+    inputs = _batch(trainer, "qwen2_5_vl")
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    eager_loss, eager = _loss_and_grads(trainer, inputs)
+    compiled = CompiledLayers()
+    count = compiled.attach(trainer.model, unit="layers")
+    text_layers = trainer.model.config.get_text_config().num_hidden_layers
+    assert count == text_layers + trainer.model.config.vision_config.depth
+    assert compiled.attach(trainer.model, unit="layers") == count  # idempotent
+    decoder = [m for m in compiled.modules if type(m).__name__.endswith("DecoderLayer")]
+    assert len(decoder) == text_layers
+    assert not any("forward" in vars(m) for layer in decoder for m in layer.children())  # the layer, not its parts
+    loss, grads = _loss_and_grads(trainer, inputs)
+    assert counters["stats"]["unique_graphs"] == 2  # the decoder layer, the vision MLP
+    assert abs(loss - eager_loss) <= 1e-5 * abs(eager_loss) + 1e-7
+    assert set(grads) == set(eager)
+    for name, grad in eager.items():
+        assert grad.norm() > 0, name
+        assert (grads[name] - grad).norm() <= 1e-4 * grad.norm(), name
+    calls = counters["stats"]["calls_captured"]
+    with torch.no_grad():
+        trainer.compute_loss(trainer.model, inputs)
+    assert counters["stats"]["calls_captured"] == calls  # without gradients, as written
+    compiled.detach()
+    assert not any(is_training_forward(vars(m).get("forward")) for m in trainer.model.modules())
+
+
+def test_whole_layers_leave_linear_attention_layers_their_parts(tiny_dir, tmp_path):
+    # Qwen3.5: the full-attention layers compile whole; the gated delta net layers keep their MLP (and with
+    # linear_attention their linear attention) apart, so the chunked scan's loop is never unrolled into a layer graph.
+    trainer = _trainer(tiny_dir, tmp_path, "qwen3_5", lora="both", gc=True)
+    compiled = CompiledLayers()
+    compiled.attach(trainer.model, linear_attention=True, unit="layers")
+    text = trainer.model.config.get_text_config()
+    layers = [m for m in trainer.model.modules() if type(m).__name__ == "Qwen3_5DecoderLayer"]
+    assert len(layers) == text.num_hidden_layers and {"linear_attention", "full_attention"} <= set(text.layer_types)
+    for layer, kind in zip(layers, text.layer_types, strict=True):
+        whole = is_training_forward(vars(layer).get("forward"))
+        assert whole == (kind == "full_attention"), kind
+        if not whole:
+            assert is_training_forward(vars(layer.mlp).get("forward"))
+            assert is_training_forward(vars(layer.linear_attn).get("forward"))
+
+
+def test_an_unknown_unit_is_refused_in_one_line(tiny_dir, tmp_path):
+    with pytest.raises(ValueError, match="compile_layers_unit must be one of 'modules', 'layers', got 'layer'"):
+        VLMGRPOConfig(output_dir=str(tmp_path), compile_layers_unit="layer")
+    model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    with pytest.raises(ValueError, match="compile_layers_unit must be one of"):
+        CompiledLayers().attach(model, unit="block")
+
+
 def test_unsupported_models_are_named(tiny_dir, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -95,6 +155,8 @@ def test_the_trainer_compiles_as_the_config_says(tiny_dir, tmp_path, caplog):
     assert not _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both").compiled_layers.modules
     asked = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", compile_layers=True)
     assert len(asked.compiled_layers.modules) == 6
+    layers = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", compile_layers=True, compile_layers_unit="layers")
+    assert len(layers.compiled_layers.modules) == 4  # two decoder layers whole, two vision MLPs
     with caplog.at_level("WARNING", logger="vlm_grpo.training.trainer"):
         whole = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", compile_layers=True, torch_compile=True)
     assert not whole.compiled_layers.modules

@@ -64,3 +64,18 @@ def test_the_report_lists_every_step_and_the_later_peaks_by_phase():
     assert "| vlm-grpo | 30.00 2.40 9.00* |" in markdown({"vlm-grpo": summary({"steps": profiled}, args)}, args,
                                                         {"gpu": "x", "torch": "", "transformers": "", "trl": "",
                                                          "peft": ""}, {})  # fmt: skip
+
+
+def test_inductor_settings_reach_torchs_config():
+    # `--inductor`: what a setting costs or saves in compile and step time, measured on the GPU (docs/benchmarks.md).
+    from grpo_step import apply_inductor_settings
+    from torch._inductor import config
+
+    before = (config.triton.autotune_pointwise, config.dynamic_scale_rblock)
+    try:
+        got = apply_inductor_settings("triton.autotune_pointwise=False, dynamic_scale_rblock=False")
+        assert got == {"triton.autotune_pointwise": False, "dynamic_scale_rblock": False}
+        assert config.triton.autotune_pointwise is False and config.dynamic_scale_rblock is False
+        assert apply_inductor_settings("") == {}
+    finally:
+        config.triton.autotune_pointwise, config.dynamic_scale_rblock = before

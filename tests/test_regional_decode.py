@@ -186,20 +186,25 @@ def test_more_batch_sizes_than_dynamos_default_limit_all_run_compiled(tiny_dir, 
     assert torch._dynamo.config.recompile_limit == 8  # the limit is raised for the decode step alone
 
 
-def test_the_compiled_training_forwards_do_not_make_each_layer_compile_again(tiny_dir, tmp_path):
+@pytest.mark.parametrize("unit", ["modules", "layers"])
+def test_the_compiled_training_forwards_do_not_make_each_layer_compile_again(tiny_dir, tmp_path, unit):
     # On a GPU the layers' attention and MLP carry compiled training forwards (`engine.compiled_layers`): one object
     # per module, which Dynamo guarded by identity, so each of the 3B's 36 layers compiled its own decode graph
-    # (measured: 39 graphs, 35 s of a fresh first step's generation). They are set aside while the step decodes.
-    from vlm_grpo.engine.compiled_layers import CompiledLayers
+    # (measured: 39 graphs, 35 s of a fresh first step's generation). They are set aside while the step decodes; with
+    # unit="layers" the decoder layers' own forwards are those, and the decode still compiles per layer, not whole.
+    from vlm_grpo.engine.compiled_layers import CompiledLayers, is_training_forward
 
     trainer = _trainer(tiny_dir, tmp_path, generations=2, lora_b=0.05)
     compiled = CompiledLayers()
-    assert compiled.attach(trainer.model) > 0
-    _compiled(trainer)
+    assert compiled.attach(trainer.model, unit=unit) > 0
+    generator = _compiled(trainer)
     batch = _batch(trainer, [ROWS[0]], 2)
     assert _fast(trainer, batch) == _plain(trainer, batch, 2)
+    assert generator._compiler.fallback_reason is None
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
-    assert all("forward" in vars(module) for module in compiled.modules)  # put back for training
+    assert all(is_training_forward(vars(module).get("forward")) for module in compiled.modules)  # back for training
+    layers = set(decoder_layers(trainer.model))
+    assert (unit == "layers") == any(module in layers for module in compiled.modules)
 
 
 def test_a_step_that_raises_leaves_the_layers_as_they_were(tiny_dir, tmp_path):

@@ -11,7 +11,9 @@ What is compiled: the `self_attn` and `mlp` children of every checkpointable lay
 its window lengths on the host). Each child keeps its own module: its forward is `torch.compile` of its class's
 forward, called with the module as an argument, so one graph per class serves every layer (the weights are graph
 inputs, not constants) and compilation does not grow with depth. Checkpointing stays transformers': the checkpoint
-wraps the layer around the compiled children, and the recomputation in backward calls them again.
+wraps the layer around the compiled children, and the recomputation in backward calls them again. With
+`compile_layers_unit="layers"` a layer with both children (and no linear attention) is compiled whole instead, the
+same way: one graph call a layer rather than two, its norms and residual adds fused in (`UNITS`).
 
 When: only with gradients on and outside any other compilation, i.e. the policy's forward in the loss and its
 recomputation, and not for a call given a KV cache (Qwen3.5's prompt-cache scoring: Dynamo would compile one graph
@@ -50,8 +52,8 @@ from ..integrations.unsloth import uses_unsloth
 from ..models.modes import checkpointing_mode
 from .quantized_generation import is_quantized_linear
 
-__all__ = ["COMPILED_CHILDREN", "SHAPE_MODES", "CompiledLayers", "detach_all", "shape_mode_error",
-           "training_forwards_aside", "unsupported_reason"]  # fmt: skip
+__all__ = ["COMPILED_CHILDREN", "SHAPE_MODES", "UNITS", "CompiledLayers", "detach_all", "is_training_forward",
+           "shape_mode_error", "training_forwards_aside", "unit_error", "unsupported_reason"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +103,18 @@ def unsupported_reason(model: nn.Module) -> str | None:
 SHAPE_MODES = {"auto": None, "length": None, "all": True}
 
 
+# What one compiled training forward covers (`VLMGRPOConfig.compile_layers_unit`). "modules" (the default): each
+# checkpointable layer's attention and MLP apart, two graph calls a layer, its norms and residual adds eager. "layers":
+# each layer with both (decoder layers, SigLIP vision layers) as one graph, its norms and residual adds fused in (Qwen-VL
+# vision blocks, whose attention reads window lengths on the host, and linear-attention layers keep "modules").
+UNITS = ("modules", "layers")
+
+
+def unit_error(value: Any) -> str:
+    """The one line that refuses `value` as `compile_layers_unit`."""
+    return f"compile_layers_unit must be one of {', '.join(map(repr, UNITS))}, got {value!r}."
+
+
 def shape_mode_error(value: Any) -> str:
     """The one line that refuses `value` as `compile_layers_dynamic`."""
     return f"compile_layers_dynamic must be one of {', '.join(map(repr, SHAPE_MODES))}, got {value!r}."
@@ -137,15 +151,14 @@ class CompiledLayers:
         self.modules: list[nn.Module] = []
         self._said: set[str] = set()
 
-    def attach_as_configured(
-        self, model: nn.Module, setting: bool | None, blocked_by: str | None = None, linear_attention: bool = False,
-        shapes: str = "length",
-    ) -> None:  # fmt: skip
-        """`attach` as `VLMGRPOConfig.compile_layers` asks: None is on for a model on a GPU (where the training phase
-        is host-bound), False off. `blocked_by` names a trainer setting that rules it out (torch_compile, sharded
-        layers); that, or what `unsupported_reason` finds, leaves the layers uncompiled, said once when they were
-        asked for by name. `linear_attention`: the linear-attention layers too; `shapes`: a `SHAPE_MODES` key.
-        Idempotent; compiled forwards another trainer left on the model are removed first (this config decides)."""
+    def attach_as_configured(self, model: nn.Module, config: Any, blocked_by: str | None = None) -> None:
+        """`attach` as the trainer's config asks (`VLMGRPOConfig.compile_layers`, `compile_linear_attention`,
+        `compile_layers_dynamic`, `compile_layers_unit`; a plain GRPOConfig gets their defaults): None is on for a
+        model on a GPU (where the training phase is host-bound), False off. `blocked_by` names a trainer setting that
+        rules it out (torch_compile, sharded layers); that, or what `unsupported_reason` finds, leaves the layers
+        uncompiled, said once when they were asked for by name. Idempotent; compiled forwards another trainer left on
+        the model are removed first (this config decides)."""
+        setting = getattr(config, "compile_layers", None)
         if not self.modules:
             detach_all(model)
         if setting is False or (setting is None and next(model.parameters()).device.type != "cuda"):
@@ -157,17 +170,28 @@ class CompiledLayers:
                 logger.warning("compile_layers=True, but the layers are left uncompiled: %s.", reason)
             return
         before = len(self.modules)
-        count = self.attach(model, linear_attention, shapes)
+        count = self.attach(model, getattr(config, "compile_linear_attention", False),
+                            getattr(config, "compile_layers_dynamic", "length"),
+                            getattr(config, "compile_layers_unit", "modules"))  # fmt: skip
         if count != before:
-            logger.info("Compiled the training forward of %d attention / MLP modules (the first step compiles them).",
-                        count)  # fmt: skip
+            logger.info("Compiled the training forward of %d layers / attention / MLP modules (the first step compiles "
+                        "them).", count)  # fmt: skip
 
-    def attach(self, model: nn.Module, linear_attention: bool = False, shapes: str = "length") -> int:
+    def attach(self, model: nn.Module, linear_attention: bool = False, shapes: str = "length",
+               unit: str = "modules") -> int:  # fmt: skip
         """Give the `COMPILED_CHILDREN` of every checkpointable layer of `model` (and with `linear_attention` its
-        `LINEAR_ATTENTION_CHILD`) their compiled training forward; returns how many modules have one. Idempotent; a
-        module whose forward someone else replaced is left alone."""
+        `LINEAR_ATTENTION_CHILD`) their compiled training forward, or with `unit="layers"` each layer that has both
+        children and no linear attention its own (`UNITS`); returns how many modules have one. Idempotent; a module
+        whose forward someone else replaced is left alone."""
+        if unit not in UNITS:
+            raise ValueError(unit_error(unit))
         names = (*COMPILED_CHILDREN, LINEAR_ATTENTION_CHILD) if linear_attention else COMPILED_CHILDREN
         for layer in _checkpointable_layers(model):
+            if unit == "layers" and _whole(layer):
+                if "forward" not in layer.__dict__:
+                    layer.forward = _TrainingForward(layer, shapes)
+                    self.modules.append(layer)
+                continue
             for name in names:
                 child = getattr(layer, name, None)
                 if isinstance(child, nn.Module) and "forward" not in child.__dict__:
@@ -182,6 +206,19 @@ class CompiledLayers:
         for child in self.modules:
             _remove(child)
         self.modules = []
+
+
+def _whole(layer: nn.Module) -> bool:
+    """Whether `layer` compiles whole under `unit="layers"`: both `COMPILED_CHILDREN` are modules and it has no
+    linear attention (Qwen3.5's gated delta net layers keep their children's forwards: a whole layer would unroll
+    the chunked scan's loop)."""
+    children = (getattr(layer, name, None) for name in COMPILED_CHILDREN)
+    return all(isinstance(c, nn.Module) for c in children) and getattr(layer, LINEAR_ATTENTION_CHILD, None) is None
+
+
+def is_training_forward(forward: Any) -> bool:
+    """Whether `forward` (a module's instance `forward`) is a compiled training forward of this module's."""
+    return isinstance(forward, _TrainingForward)
 
 
 def _leave_eager(module: nn.Module) -> None:

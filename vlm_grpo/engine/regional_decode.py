@@ -36,7 +36,7 @@ from torch import nn
 
 from ..families import core_model, find_family
 from ..integrations.unsloth import uses_unsloth
-from .compiled_layers import training_forwards_aside
+from .compiled_layers import is_training_forward, training_forwards_aside
 
 __all__ = ["DecodeCompiler", "decoder_layers", "layer_view", "unsupported_reason"]
 
@@ -73,7 +73,7 @@ def unsupported_reason(model: nn.Module, cache: Any) -> str | None:
         return "the model's family is not one vlm-grpo lists (its layers may read `layer_idx` beyond the cache)"
     if uses_unsloth(model):
         return "Unsloth patches the layers' forwards with its own kernels"
-    if any("forward" in vars(layer) for layer in layers):
+    if any("forward" in vars(layer) and not is_training_forward(vars(layer)["forward"]) for layer in layers):
         return "the decoder layers' forward is already replaced"
     cache_layers = getattr(cache, "layers", None)
     if not isinstance(cache_layers, list) or len(cache_layers) != len(layers):
@@ -132,20 +132,22 @@ class DecodeCompiler:
             compiled = self._layer_forwards[kind] = torch.compile(kind.forward, dynamic=False)
         indexed = [(m, m.layer_idx) for layer in layers for m in layer.modules() if hasattr(m, "layer_idx")]
         views = [layer_view(cache, index) for index in range(len(layers))]  # before anything on the model changes
-        try:
-            for layer, view in zip(layers, views, strict=True):
-                layer.forward = functools.partial(_layer_forward, compiled, layer, cache, view)
-            for module, _ in indexed:
-                module.layer_idx = 0  # every layer asks for the only layer of its view
-            with training_forwards_aside(layers):
+        # The compiled training forwards (a whole layer's too, `compile_layers_unit="layers"`) set aside first, so
+        # that what the block puts on the layers is undone before they come back.
+        with training_forwards_aside(layers):
+            try:
+                for layer, view in zip(layers, views, strict=True):
+                    layer.forward = functools.partial(_layer_forward, compiled, layer, cache, view)
+                for module, _ in indexed:
+                    module.layer_idx = 0  # every layer asks for the only layer of its view
                 yield
-        finally:
-            for module, index in indexed:
-                module.layer_idx = index
-            for layer in layers:
-                forward = vars(layer).get("forward")
-                if isinstance(forward, functools.partial) and forward.func is _layer_forward:
-                    del vars(layer)["forward"]  # ours only
+            finally:
+                for module, index in indexed:
+                    module.layer_idx = index
+                for layer in layers:
+                    forward = vars(layer).get("forward")
+                    if isinstance(forward, functools.partial) and forward.func is _layer_forward:
+                        del vars(layer)["forward"]  # ours only
 
 
 def _layer_forward(compiled: Callable[..., Any], layer: nn.Module, cache: Any, view: Any, /, *args: Any,

@@ -13,7 +13,7 @@ import torch
 from trl import GRPOConfig
 
 from ..compat import CHECKPOINTING_ARG
-from ..engine.compiled_layers import SHAPE_MODES, shape_mode_error
+from ..engine.compiled_layers import SHAPE_MODES, UNITS, shape_mode_error, unit_error
 from ..engine.lora_merge import MERGE_BACKUPS
 from ..engine.quantized_generation import QUANTIZED_MODES
 from ..media.pixel_budget import check_pixel_budget
@@ -212,6 +212,13 @@ class VLMGRPOConfig(GRPOConfig):
                   "second compile mid-run); 'all' every size a symbol from the first compile (torch.compile's "
                   "dynamic=True: on an H200 its code generation took ~1 minute)."},
     )  # fmt: skip
+    compile_layers_unit: str = field(
+        default="modules",
+        metadata={"help": "With compile_layers, what one compiled training forward covers: 'modules' (default) each "
+                  "layer's attention and MLP apart; 'layers' each layer with both as one graph, its norms and "
+                  "residual adds fused in (Qwen-VL vision blocks and linear-attention layers keep 'modules'). The "
+                  "same loss and gradients; 'modules' stays the default until the GPU measures 'layers'."},
+    )  # fmt: skip
     compile_cache_dir: str | None = field(
         default=None,
         metadata={"help": "Where compiled code is kept for later runs, on this machine or another (torch's portable "
@@ -287,6 +294,8 @@ class VLMGRPOConfig(GRPOConfig):
             )
         if self.compile_layers_dynamic not in SHAPE_MODES:
             raise ValueError(shape_mode_error(self.compile_layers_dynamic))
+        if self.compile_layers_unit not in UNITS:
+            raise ValueError(unit_error(self.compile_layers_unit))
         if self.max_nonfinite_steps < 1:
             raise ValueError(f"max_nonfinite_steps must be >= 1, got {self.max_nonfinite_steps}.")
         super().__post_init__()

@@ -207,9 +207,7 @@ class VLMGRPOTrainer(GRPOTrainer):
             else "sharded (FSDP1 / DeepSpeed) layers" if fsdp1 or self.is_deepspeed_enabled else None
         )  # fmt: skip
         a, unwrapped = self.args, self.accelerator.unwrap_model(self.model)
-        self.compiled_layers.attach_as_configured(unwrapped, getattr(a, "compile_layers", None), blocked_by,
-                                                  getattr(a, "compile_linear_attention", False),
-                                                  getattr(a, "compile_layers_dynamic", "length"))  # fmt: skip
+        self.compiled_layers.attach_as_configured(unwrapped, a, blocked_by)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`, after checking this TRL can compute GRPO log-probs on this device.
