@@ -76,6 +76,7 @@ VLM_VARIANTS = {
     "vlm-grpo-length": {"compile_layers_dynamic": "length"},  # ... with the rows' length a symbol from the start
     "vlm-grpo-auto": {"compile_layers_dynamic": "auto"},  # ... torch's default: static, then dynamic at a new length
     "vlm-grpo-layers": {"compile_layers_unit": "layers"},  # each decoder layer's training forward one compiled graph
+    "vlm-grpo-layers-gc": {"compile_layers_unit": "layers", "gc_freeze": True},  # ... and gc_freeze, both opt-in
 }
 # Variants set on the trainer's FastGenerator: `vlm-grpo-round3` samples on the host after the recorded forward and
 # copies the base weights back before the scoring forward, not beside it (engine/token_loop.py, engine/lora_merge.py).
@@ -331,8 +332,7 @@ def main(argv=None) -> None:
     if args.video_frames and (no_video := [t for t in trainers if t not in VLM_VARIANTS]):
         raise SystemExit(f"--video_frames: TRL has no video path, so {', '.join(no_video)} cannot run; compare "
                          f"{', '.join(VIDEO_TRAINERS)}.")  # fmt: skip
-    runs: dict = {t: [] for t in trainers}
-    failures: dict = {}
+    runs, failures = {t: [] for t in trainers}, {}
     forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]
     table = ""
     for round_index in range(args.rounds):
