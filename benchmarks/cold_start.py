@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     runs["cached"] = _run("cached", args.trainer, args, forwarded)
     if args.precompiled:  # the training layers compiled on a one-layer copy first, in empty caches of their own
         runs["shallow"] = _run("shallow", "vlm-grpo-plain", args, forwarded, args.model + "-shallow", "caches-pre")
-        runs["precompiled"] = _run("precompiled", "vlm-grpo", args, forwarded, caches="caches-pre")
+        runs["precompiled"] = _run("precompiled", args.trainer, args, forwarded, caches="caches-pre")
     env = runs["fresh"]["results"].get("env")
     table = rows(runs)
     report = markdown(table, args, env)

@@ -24,8 +24,6 @@ those two are the default trainers then.
 from __future__ import annotations
 
 import argparse
-import ast
-import functools
 import json
 import os
 import statistics
@@ -38,6 +36,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import forced_tools  # benchmarks/ is on the path from here
+from inductor_settings import apply_inductor_settings
 from step_report import failure_line
 
 TRAINERS = ("vlm-grpo", "trl", "trl-static", "vlm-grpo-host", "vlm-grpo-unpacked", "vlm-grpo-unmerged", "vlm-grpo-plain",
@@ -75,8 +74,9 @@ VLM_VARIANTS = {
     "vlm-grpo-dynamic": {"compile_layers_dynamic": "all"},  # the layers compiled with dynamic shapes from the start
     "vlm-grpo-length": {"compile_layers_dynamic": "length"},  # ... with the rows' length a symbol from the start
     "vlm-grpo-auto": {"compile_layers_dynamic": "auto"},  # ... torch's default: static, then dynamic at a new length
-    "vlm-grpo-layers": {"compile_layers_unit": "layers"},  # each decoder layer's training forward one compiled graph
-    "vlm-grpo-layers-gc": {"compile_layers_unit": "layers", "gc_freeze": True},  # ... and gc_freeze, both opt-in
+    # Each decoder layer's training forward one compiled graph (on CPU too, beside vlm-grpo-compiled), and gc_freeze.
+    "vlm-grpo-layers": {"compile_layers": True, "compile_layers_unit": "layers"},
+    "vlm-grpo-layers-gc": {"compile_layers": True, "compile_layers_unit": "layers", "gc_freeze": True},
 }
 # Variants set on the trainer's FastGenerator: `vlm-grpo-round3` samples on the host after the recorded forward and
 # copies the base weights back before the scoring forward, not beside it (engine/token_loop.py, engine/lora_merge.py).
@@ -161,18 +161,6 @@ def _dataset(args):
 def _reward(prompts, completions, **kwargs):
     # Any reward that differs within a group gives non-zero advantages, so the loss and backward do real work.
     return [float(len(str(c)) % 7) for c in completions]
-
-
-def apply_inductor_settings(text: str) -> dict:
-    """Set `--inductor`'s "key=value,..." on torch._inductor.config (dotted keys: `triton.autotune_pointwise`)."""
-    import torch._inductor.config
-
-    pairs = (item.split("=", 1) for item in filter(None, text.split(",")))
-    settings = {key.strip(): ast.literal_eval(value.strip()) for key, value in pairs}
-    for key, value in settings.items():
-        *parents, leaf = key.split(".")
-        setattr(functools.reduce(getattr, parents, torch._inductor.config), leaf, value)
-    return settings
 
 
 def run_worker(args) -> None:
@@ -318,6 +306,7 @@ def main(argv=None) -> None:
     if args.worker:
         run_worker(args)
         return
+    apply_inductor_settings(args.inductor)  # a wrong key stops here, not in every worker
     import peft
     import torch
     import transformers
@@ -332,8 +321,7 @@ def main(argv=None) -> None:
     if args.video_frames and (no_video := [t for t in trainers if t not in VLM_VARIANTS]):
         raise SystemExit(f"--video_frames: TRL has no video path, so {', '.join(no_video)} cannot run; compare "
                          f"{', '.join(VIDEO_TRAINERS)}.")  # fmt: skip
-    runs, failures = {t: [] for t in trainers}, {}
-    forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]
+    runs, failures, forwarded = {t: [] for t in trainers}, {}, list(argv if argv is not None else sys.argv[1:])
     table = ""
     for round_index in range(args.rounds):
         order = trainers if round_index % 2 == 0 else trainers[::-1]  # alternate so drift hits all sides

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -92,8 +93,19 @@ def test_an_unreadable_file_is_ignored_and_none_turns_it_off(tmp_path, caplog, m
     with caplog.at_level(logging.WARNING):
         assert cache.load() is None  # compiling again is the fallback, never a failed run
     assert "could not be loaded" in caplog.text
-    off = CompileCache.for_trainer(torch.nn.Linear(2, 2), "none")
+    off = CompileCache.for_trainer(torch.nn.Linear(2, 2), SimpleNamespace(compile_cache_dir="none"))
     assert off.directory is None and off.load() is None and off.save() is None
     monkeypatch.setenv("VLM_GRPO_CACHE", str(tmp_path / "mine"))
     assert default_cache_dir() == str(tmp_path / "mine" / "compile")
     assert CompileCache.for_trainer(torch.nn.Linear(2, 2), None).directory == str(tmp_path / "mine" / "compile")
+
+
+def test_runs_that_compile_differently_keep_a_file_each():
+    # compile_layers_unit / _dynamic / linear attention change what compiles: alternating runs must not overwrite
+    # each other's artefacts (the cold start each was meant to save).
+    model = torch.nn.Linear(2, 2)
+    modules = CompileCache.for_trainer(model, SimpleNamespace(compile_layers_unit="modules")).key
+    assert CompileCache.for_trainer(model, SimpleNamespace(compile_layers_unit="layers")).key != modules
+    assert (
+        CompileCache.for_trainer(model, SimpleNamespace(compile_layers_unit="modules", output_dir="x")).key == modules
+    )

@@ -108,21 +108,58 @@ def test_whole_layers_give_the_eager_loss_and_every_gradient_with_one_graph_per_
     assert not any(is_training_forward(vars(m).get("forward")) for m in trainer.model.modules())
 
 
-def test_whole_layers_leave_linear_attention_layers_their_parts(tiny_dir, tmp_path):
-    # Qwen3.5: the full-attention layers compile whole; the gated delta net layers keep their MLP (and with
-    # linear_attention their linear attention) apart, so the chunked scan's loop is never unrolled into a layer graph.
+def test_a_hybrid_model_keeps_its_layers_parts_under_unit_layers(tiny_dir, tmp_path, caplog):
+    # Qwen3.5: the prompt-cache scorer passes every attention layer its cache in the training forward, and such calls
+    # run as written, so whole layers would lose their MLP's compiled forward; the model keeps "modules", said once.
     trainer = _trainer(tiny_dir, tmp_path, "qwen3_5", lora="both", gc=True)
     compiled = CompiledLayers()
-    compiled.attach(trainer.model, linear_attention=True, unit="layers")
-    text = trainer.model.config.get_text_config()
-    layers = [m for m in trainer.model.modules() if type(m).__name__ == "Qwen3_5DecoderLayer"]
-    assert len(layers) == text.num_hidden_layers and {"linear_attention", "full_attention"} <= set(text.layer_types)
-    for layer, kind in zip(layers, text.layer_types, strict=True):
-        whole = is_training_forward(vars(layer).get("forward"))
-        assert whole == (kind == "full_attention"), kind
-        if not whole:
-            assert is_training_forward(vars(layer.mlp).get("forward"))
-            assert is_training_forward(vars(layer.linear_attn).get("forward"))
+    with caplog.at_level("INFO", logger="vlm_grpo.engine.compiled_layers"):
+        count = compiled.attach(trainer.model, unit="layers")
+    assert count > 0 and "keeps 'modules'" in caplog.text
+    assert not any(type(m).__name__ == "Qwen3_5DecoderLayer" for m in compiled.modules)
+    assert all(is_training_forward(vars(layer.mlp).get("forward"))
+               for layer in trainer.model.modules() if type(layer).__name__ == "Qwen3_5DecoderLayer")  # fmt: skip
+
+
+def test_the_training_compile_keeps_its_own_graphs_beside_the_decode_steps(fresh_dynamo):
+    # The decode step compiles a decoder layer's class forward per batch size (limit raised to 64); the training forward
+    # of the same class must not find those graphs counted against its own limit (8) and run uncompiled.
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.relu(self.linear(x))
+
+    block = Block()
+    decode = torch.compile(Block.forward, backend="eager", dynamic=False)
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=64):
+        for rows in range(1, 11):
+            decode(block, torch.randn(rows, 4))
+    assert counters["stats"]["unique_graphs"] == 10
+    block.forward = _TrainingForward(block, "auto", whole=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    block(x).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 11  # compiled, not over the limit
+    assert x.grad is not None and block.linear.weight.grad is not None
+
+
+def test_the_class_forward_is_read_at_each_call():
+    # FSDP2 gives a sharded layer a subclass of its own (and transformers 5.24 a checkpointing wrapper that checkpoints
+    # only as the outermost class forward): the compiled forward is the module's class's at the time of the call.
+    layer = torch.nn.Linear(2, 2)
+    forward = _TrainingForward(layer)
+    assert forward.forward is torch.nn.Linear.forward
+
+    class Sharded(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 0
+
+    layer.__class__ = Sharded
+    assert forward.forward is Sharded.forward
+    with torch.no_grad():
+        assert forward(torch.ones(1, 2)).abs().sum() == 0
 
 
 def test_an_unknown_unit_is_refused_in_one_line(tiny_dir, tmp_path):

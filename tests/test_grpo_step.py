@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 from step_report import failure_line
@@ -68,14 +70,18 @@ def test_the_report_lists_every_step_and_the_later_peaks_by_phase():
 
 def test_inductor_settings_reach_torchs_config():
     # `--inductor`: what a setting costs or saves in compile and step time, measured on the GPU (docs/benchmarks.md).
-    from grpo_step import apply_inductor_settings
+    from inductor_settings import apply_inductor_settings
     from torch._inductor import config
 
-    before = (config.triton.autotune_pointwise, config.dynamic_scale_rblock)
+    before = (config.triton.autotune_pointwise, config.dynamic_scale_rblock, config.max_autotune_gemm_backends)
     try:
         got = apply_inductor_settings("triton.autotune_pointwise=False, dynamic_scale_rblock=False")
         assert got == {"triton.autotune_pointwise": False, "dynamic_scale_rblock": False}
         assert config.triton.autotune_pointwise is False and config.dynamic_scale_rblock is False
         assert apply_inductor_settings("") == {}
+        assert apply_inductor_settings("max_autotune_gemm_backends=ATEN") == {"max_autotune_gemm_backends": "ATEN"}
+        for wrong in ("triton.autotune_pointwise", "no_such_setting=1", "nope.autotune=1"):
+            with pytest.raises(SystemExit, match="is not key=value with a key of torch._inductor.config"):
+                apply_inductor_settings(wrong)
     finally:
-        config.triton.autotune_pointwise, config.dynamic_scale_rblock = before
+        config.triton.autotune_pointwise, config.dynamic_scale_rblock, config.max_autotune_gemm_backends = before

@@ -36,6 +36,8 @@ __all__ = ["CHECKPOINT_FOLDER", "CompileCache", "artifact_key", "compiled_count"
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FOLDER = "compile_cache"  # inside checkpoint-N/
+# The trainer's settings that change what compiles (their artefacts differ; a run of one would overwrite another's).
+COMPILE_SETTINGS = ("compile_layers", "compile_layers_unit", "compile_layers_dynamic", "compile_linear_attention")
 OFF = "none"
 # Config entries that name the model rather than shape its code.
 _NAMES = {"_name_or_path", "transformers_version", "_commit_hash"}
@@ -70,8 +72,9 @@ def _device(model: torch.nn.Module) -> str:
     return device.type
 
 
-def artifact_key(model: torch.nn.Module) -> str:
-    """A short hash of what compiled code depends on: versions, device, the model's config and dtype.
+def artifact_key(model: torch.nn.Module, settings: dict[str, Any] | None = None) -> str:
+    """A short hash of what compiled code depends on: versions, device, the model's config and dtype, and the
+    trainer's compile `settings` (`COMPILE_SETTINGS`: runs that compile differently keep a file each).
 
     Two processes training the same architecture on the same kind of GPU with the same software get the same key;
     any difference gives another file, never artefacts compiled for something else."""
@@ -86,6 +89,8 @@ def artifact_key(model: torch.nn.Module) -> str:
         "config": described,
         "adapters": {name: sorted(map(str, getattr(c, "target_modules", None) or [])) for name, c in peft.items()},
     }
+    if settings:
+        payload["settings"] = settings
     blob = json.dumps(payload, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:20]
 
@@ -118,10 +123,13 @@ class CompileCache(TrainerCallback):
         self._artifacts: bytes | None = None
 
     @classmethod
-    def for_trainer(cls, model: torch.nn.Module, setting: str | None) -> CompileCache:
-        """The cache `VLMGRPOConfig.compile_cache_dir` asks for (None: the default directory; "none": off)."""
+    def for_trainer(cls, model: torch.nn.Module, config: Any) -> CompileCache:
+        """The cache the trainer's config asks for: `compile_cache_dir` None is the default directory, "none" off;
+        keyed by the model and the config's `COMPILE_SETTINGS`."""
+        setting = getattr(config, "compile_cache_dir", None)
         directory = None if setting == OFF else os.path.expanduser(setting or default_cache_dir())
-        return cls(directory, artifact_key(model))
+        settings = {name: getattr(config, name) for name in COMPILE_SETTINGS if hasattr(config, name)}
+        return cls(directory, artifact_key(model, settings))
 
     def _file(self, folder: str) -> str:
         return os.path.join(folder, f"{self.key}.bin")

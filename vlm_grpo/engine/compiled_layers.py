@@ -13,7 +13,10 @@ forward, called with the module as an argument, so one graph per class serves ev
 inputs, not constants) and compilation does not grow with depth. Checkpointing stays transformers': the checkpoint
 wraps the layer around the compiled children, and the recomputation in backward calls them again. With
 `compile_layers_unit="layers"` a layer with both children (and no linear attention) is compiled whole instead, the
-same way: one graph call a layer rather than two, its norms and residual adds fused in (`UNITS`).
+same way: one graph call a layer rather than two, its norms and residual adds fused in (`UNITS`); a model with
+recurrent layers keeps its layers' parts (its prompt-cache scoring passes every layer a cache, and such calls run as
+written). Its compiled code is a copy of the class forward's, so the decode step's graphs of that forward
+(`engine.regional_decode`) do not count against the training graphs' recompile limit.
 
 When: only with gradients on and outside any other compilation, i.e. the policy's forward in the loss and its
 recomputation, and not for a call given a KV cache (Qwen3.5's prompt-cache scoring: Dynamo would compile one graph
@@ -41,6 +44,7 @@ import contextlib
 import functools
 import logging
 import sys
+import types
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -50,6 +54,7 @@ from torch import nn
 from ..families import core_model
 from ..integrations.unsloth import uses_unsloth
 from ..models.modes import checkpointing_mode
+from .prefix_cache import serves
 from .quantized_generation import is_quantized_linear
 
 __all__ = ["COMPILED_CHILDREN", "SHAPE_MODES", "UNITS", "CompiledLayers", "detach_all", "is_training_forward",
@@ -106,7 +111,7 @@ SHAPE_MODES = {"auto": None, "length": None, "all": True}
 # What one compiled training forward covers (`VLMGRPOConfig.compile_layers_unit`). "modules" (the default): each
 # checkpointable layer's attention and MLP apart, two graph calls a layer, its norms and residual adds eager. "layers":
 # each layer with both (decoder layers, SigLIP vision layers) as one graph, its norms and residual adds fused in (Qwen-VL
-# vision blocks, whose attention reads window lengths on the host, and linear-attention layers keep "modules").
+# vision blocks, whose attention reads window lengths on the host, and models with recurrent layers keep "modules").
 UNITS = ("modules", "layers")
 
 
@@ -121,9 +126,22 @@ def shape_mode_error(value: Any) -> str:
 
 
 @functools.cache
-def _compiled(forward: Any, dynamic: bool | None = None) -> Any:
-    # One compiled function per class forward (and `dynamic` setting), shared by every instance.
-    return torch.compile(forward, dynamic=dynamic)
+def _compiled(forward: Any, dynamic: bool | None = None, own_code: bool = False) -> Any:
+    # One compiled function per class forward (and `dynamic` setting), shared by every instance. A whole layer's is
+    # compiled as a copy with a code object of its own: Dynamo keeps its graphs, and counts them against its recompile
+    # limit, per code object, and the decode step compiles a decoder layer's class forward too (`engine.regional_decode`,
+    # a graph per batch size, its limit raised to 64): sharing one, the training layer found 8 graphs there and ran
+    # uncompiled. (transformers 5.24 also gives every checkpointable layer class the same wrapper code.)
+    return torch.compile(_own_code(forward) if own_code else forward, dynamic=dynamic)
+
+
+def _own_code(function: Any) -> Any:
+    """`function` with a copy of its code object (same globals, defaults, closure and attributes)."""
+    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)  # fmt: skip
+    copy.__kwdefaults__, copy.__qualname__ = function.__kwdefaults__, function.__qualname__
+    copy.__dict__.update(function.__dict__)
+    return copy
 
 
 def _mark_length_dynamic(args: tuple, kwargs: dict[str, Any]) -> None:
@@ -150,6 +168,7 @@ class CompiledLayers:
     def __init__(self) -> None:
         self.modules: list[nn.Module] = []
         self._said: set[str] = set()
+        self._unit = "modules"
 
     def attach_as_configured(self, model: nn.Module, config: Any, blocked_by: str | None = None) -> None:
         """`attach` as the trainer's config asks (`VLMGRPOConfig.compile_layers`, `compile_linear_attention`,
@@ -185,12 +204,24 @@ class CompiledLayers:
         whose forward someone else replaced is left alone."""
         if unit not in UNITS:
             raise ValueError(unit_error(unit))
+        if self.modules and unit != self._unit:  # compiled forwards of two units would nest: this call's unit decides
+            self.detach()
+        self._unit = unit
+        if unit == "layers" and serves(model):
+            # The prompt-cache scorer hands a hybrid model's attention layers their cache in every training forward,
+            # and a call given a cache runs as written: whole, those layers would lose their MLP's compiled forward too.
+            if "hybrid" not in self._said:
+                self._said.add("hybrid")
+                logger.info("compile_layers_unit='layers': a model with recurrent layers keeps 'modules' (its prompt-"
+                            "cache scoring passes a cache to every layer).")  # fmt: skip
+            unit = "modules"
         names = (*COMPILED_CHILDREN, LINEAR_ATTENTION_CHILD) if linear_attention else COMPILED_CHILDREN
         for layer in _checkpointable_layers(model):
-            if unit == "layers" and _whole(layer):
-                if "forward" not in layer.__dict__:
-                    layer.forward = _TrainingForward(layer, shapes)
-                    self.modules.append(layer)
+            if unit == "layers" and _whole(layer) and "forward" not in layer.__dict__:
+                layer.forward = _TrainingForward(layer, shapes, whole=True)
+                self.modules.append(layer)
+                continue
+            if is_training_forward(layer.__dict__.get("forward")):  # whole already
                 continue
             for name in names:
                 child = getattr(layer, name, None)
@@ -266,18 +297,24 @@ class _TrainingForward:
     """A module's forward: its class's compiled forward when gradients are on (and nothing else is compiling), its
     own forward otherwise."""
 
-    def __init__(self, module: nn.Module, shapes: str = "length") -> None:
+    def __init__(self, module: nn.Module, shapes: str = "length", whole: bool = False) -> None:
         if shapes not in SHAPE_MODES:
             raise ValueError(shape_mode_error(shapes))
-        self.module, self.shapes = module, shapes
-        self.forward = type(module).forward
+        self.module, self.shapes, self.whole = module, shapes, whole  # whole: a layer (`compile_layers_unit`)
+
+    @property
+    def forward(self) -> Any:
+        # Read at each call, not at attach: FSDP2 gives a sharded layer a subclass of its own, and transformers 5.24's
+        # checkpointing wrapper checkpoints only as the class's outermost forward (a stored one would not checkpoint).
+        return type(self.module).forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = self.forward
         if torch.is_grad_enabled() and not torch.compiler.is_compiling() and not _given_cache(kwargs):
             if self.shapes == "length":
                 _mark_length_dynamic(args, kwargs)
-            return _compiled(self.forward, SHAPE_MODES[self.shapes])(self.module, *args, **kwargs)
-        return self.forward(self.module, *args, **kwargs)
+            return _compiled(forward, SHAPE_MODES[self.shapes], self.whole)(self.module, *args, **kwargs)
+        return forward(self.module, *args, **kwargs)
 
 
 # The names under which transformers' attention takes a KV cache, across versions (Qwen3.5's linear attention:

@@ -216,8 +216,9 @@ class VLMGRPOConfig(GRPOConfig):
         default="modules",
         metadata={"help": "With compile_layers, what one compiled training forward covers: 'modules' (default) each "
                   "layer's attention and MLP apart; 'layers' each layer with both as one graph, its norms and "
-                  "residual adds fused in (Qwen-VL vision blocks and linear-attention layers keep 'modules'). The "
-                  "same loss and gradients; 'modules' stays the default until the GPU measures 'layers'."},
+                  "residual adds fused in (Qwen-VL vision blocks, and models with recurrent layers such as Qwen3.5, "
+                  "keep 'modules'). The eager loss and gradients up to float rounding; 'modules' stays the default "
+                  "until the GPU measures 'layers'."},
     )  # fmt: skip
     compile_cache_dir: str | None = field(
         default=None,

@@ -187,7 +187,7 @@ class VLMGRPOTrainer(GRPOTrainer):
             self.ref_model = AdaptersOff(lambda: self.model, layers)
         self.compiled_layers = CompiledLayers()
         self._compile_layers()
-        self.compile_cache = CompileCache.for_trainer(unwrapped, getattr(args, "compile_cache_dir", None))
+        self.compile_cache = CompileCache.for_trainer(unwrapped, args)
         # compile_cache saves what the steps compile, for the next run; gc_freeze spares the steps full collections
         self.gc_freeze = FreezeLongLived.as_configured(getattr(args, "gc_freeze", False), self.accelerator.device)
         for callback in (self.nonfinite_guard, self.preemption, self.compile_cache, self.gc_freeze):
