@@ -40,15 +40,35 @@ def _loss_and_grads(trainer, inputs):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _eager_baseline(tiny_dir, tmp_path, family):
+    """A LoRA (both towers), checkpointed trainer of `family`, TRL's batch for it, and its eager loss and gradients."""
+    trainer = _trainer(tiny_dir, tmp_path, family, lora="both", gc=True)
+    inputs = _batch(trainer, family)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train; the loss normalises by it
+    return (trainer, inputs, *_loss_and_grads(trainer, inputs))
+
+
+def _assert_the_eager_loss_and_gradients(loss, grads, eager_loss, eager):
+    assert torch.isfinite(loss) and abs(loss - eager_loss) <= 1e-5 * abs(eager_loss) + 1e-7
+    assert set(grads) == set(eager)
+    for name, grad in eager.items():
+        assert grad.norm() > 0, name
+        assert (grads[name] - grad).norm() <= 1e-4 * grad.norm(), name
+
+
+def _assert_no_call_without_gradients(trainer, inputs):
+    calls = counters["stats"]["calls_captured"]
+    with torch.no_grad():
+        trainer.compute_loss(trainer.model, inputs)
+    assert counters["stats"]["calls_captured"] == calls
+
+
 @pytest.mark.trains
 def test_loss_and_every_gradient_match_the_eager_layers(tiny_dir, tmp_path, fresh_dynamo):
     # LoRA on the vision tower and the language model, checkpointing on: the recomputation in backward calls the
     # compiled modules again.
-    trainer = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", gc=True)
-    inputs = _batch(trainer, "qwen2_5_vl")
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train; the loss normalises by it
-    eager_loss, eager = _loss_and_grads(trainer, inputs)
+    trainer, inputs, eager_loss, eager = _eager_baseline(tiny_dir, tmp_path, "qwen2_5_vl")
     assert not counters["stats"]["unique_graphs"]
     compiled = CompiledLayers()
     count = compiled.attach(trainer.model)
@@ -59,16 +79,10 @@ def test_loss_and_every_gradient_match_the_eager_layers(tiny_dir, tmp_path, fres
     loss, grads = _loss_and_grads(trainer, inputs)
     # One graph per module class (decoder attention, decoder MLP, vision MLP), not one per layer.
     assert counters["stats"]["unique_graphs"] == 3
-    assert torch.isfinite(loss) and abs(loss - eager_loss) <= 1e-5 * abs(eager_loss) + 1e-7
-    assert set(grads) == set(eager) and any(".visual." in n for n in grads)
-    for name, grad in eager.items():
-        assert grad.norm() > 0, name
-        assert (grads[name] - grad).norm() <= 1e-4 * grad.norm(), name
+    _assert_the_eager_loss_and_gradients(loss, grads, eager_loss, eager)
+    assert any(".visual." in n for n in grads)
     # Without gradients (generation, reference log-probs) the modules run as written: no new graph, no call.
-    calls = counters["stats"]["calls_captured"]
-    with torch.no_grad():
-        trainer.compute_loss(trainer.model, inputs)
-    assert counters["stats"]["calls_captured"] == calls
+    _assert_no_call_without_gradients(trainer, inputs)
     modules = list(compiled.modules)
     compiled.detach()
     assert not compiled.modules and not any("forward" in vars(m) for m in modules)  # their class's forward again
@@ -80,11 +94,7 @@ def test_whole_layers_give_the_eager_loss_and_every_gradient_with_one_graph_per_
 ):
     # unit="layers": each decoder layer is one compiled call (its norms and residual adds inside); the Qwen-VL vision
     # blocks keep their MLP compiled apart (their attention reads window lengths on the host).
-    trainer = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", gc=True)
-    inputs = _batch(trainer, "qwen2_5_vl")
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    eager_loss, eager = _loss_and_grads(trainer, inputs)
+    trainer, inputs, eager_loss, eager = _eager_baseline(tiny_dir, tmp_path, "qwen2_5_vl")
     compiled = CompiledLayers()
     count = compiled.attach(trainer.model, unit="layers")
     text_layers = trainer.model.config.get_text_config().num_hidden_layers
@@ -95,15 +105,8 @@ def test_whole_layers_give_the_eager_loss_and_every_gradient_with_one_graph_per_
     assert not any("forward" in vars(m) for layer in decoder for m in layer.children())  # the layer, not its parts
     loss, grads = _loss_and_grads(trainer, inputs)
     assert counters["stats"]["unique_graphs"] == 2  # the decoder layer, the vision MLP
-    assert abs(loss - eager_loss) <= 1e-5 * abs(eager_loss) + 1e-7
-    assert set(grads) == set(eager)
-    for name, grad in eager.items():
-        assert grad.norm() > 0, name
-        assert (grads[name] - grad).norm() <= 1e-4 * grad.norm(), name
-    calls = counters["stats"]["calls_captured"]
-    with torch.no_grad():
-        trainer.compute_loss(trainer.model, inputs)
-    assert counters["stats"]["calls_captured"] == calls  # without gradients, as written
+    _assert_the_eager_loss_and_gradients(loss, grads, eager_loss, eager)
+    _assert_no_call_without_gradients(trainer, inputs)  # without gradients, as written
     compiled.detach()
     assert not any(is_training_forward(vars(m).get("forward")) for m in trainer.model.modules())
 
@@ -336,11 +339,7 @@ def test_attention_given_a_cache_runs_as_written_not_one_graph_per_layer(tiny_di
     # Qwen3.5's training forward continues each prompt's cache (`engine.prefix_cache`). An attention module reaches its
     # cache layer by `self.layer_idx`, on which Dynamo specialises: one graph per layer and cache class (6 here, 16 for
     # Qwen3.5-4B, past Dynamo's limit of 8), so those calls run as written and the MLPs stay compiled.
-    trainer = _trainer(tiny_dir, tmp_path, "qwen3_5", lora="both", gc=True)
-    inputs = _batch(trainer, "qwen3_5")
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    eager_loss, eager = _loss_and_grads(trainer, inputs)
+    trainer, inputs, eager_loss, eager = _eager_baseline(tiny_dir, tmp_path, "qwen3_5")
     compiled = CompiledLayers()
     assert compiled.attach(trainer.model, shapes=shapes) > 0
     calls = trainer.shared_prefix_calls
