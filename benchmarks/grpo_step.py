@@ -74,8 +74,10 @@ VLM_VARIANTS = {
     "vlm-grpo-dynamic": {"compile_layers_dynamic": "all"},  # the layers compiled with dynamic shapes from the start
     "vlm-grpo-length": {"compile_layers_dynamic": "length"},  # ... with the rows' length a symbol from the start
     "vlm-grpo-auto": {"compile_layers_dynamic": "auto"},  # ... torch's default: static, then dynamic at a new length
-    # Each decoder layer's training forward one compiled graph (on CPU too, beside vlm-grpo-compiled), and gc_freeze.
+    # Each decoder layer's training forward one compiled graph (the default unit since the eleventh session; named, on
+    # CPU too), the same with gc_freeze, and the attention and MLP compiled apart (the default before it).
     "vlm-grpo-layers": {"compile_layers": True, "compile_layers_unit": "layers"},
+    "vlm-grpo-modules": {"compile_layers_unit": "modules"},
     "vlm-grpo-layers-gc": {"compile_layers": True, "compile_layers_unit": "layers", "gc_freeze": True},
 }
 # Variants set on the trainer's FastGenerator: `vlm-grpo-round3` samples on the host after the recorded forward and

@@ -10,6 +10,7 @@ from test_shared_prefix import COLORS, _batch, _rows, _trainer, _zero_reward
 from torch._dynamo.utils import counters
 
 from vlm_grpo.engine.compiled_layers import (
+    _SPLIT_SAID,
     COMPILED_CHILDREN,
     CompiledLayers,
     _TrainingForward,
@@ -71,11 +72,11 @@ def test_loss_and_every_gradient_match_the_eager_layers(tiny_dir, tmp_path, fres
     trainer, inputs, eager_loss, eager = _eager_baseline(tiny_dir, tmp_path, "qwen2_5_vl")
     assert not counters["stats"]["unique_graphs"]
     compiled = CompiledLayers()
-    count = compiled.attach(trainer.model)
+    count = compiled.attach(trainer.model, unit="modules")
     vision_blocks = trainer.model.config.vision_config.depth
     text_layers = trainer.model.config.get_text_config().num_hidden_layers
     assert count == 2 * text_layers + vision_blocks  # decoder attention and MLP, vision MLP (its attention reads
-    assert compiled.attach(trainer.model) == count  # window lengths on the host); idempotent
+    assert compiled.attach(trainer.model, unit="modules") == count  # window lengths on the host); idempotent
     loss, grads = _loss_and_grads(trainer, inputs)
     # One graph per module class (decoder attention, decoder MLP, vision MLP), not one per layer.
     assert counters["stats"]["unique_graphs"] == 3
@@ -122,6 +123,31 @@ def test_a_hybrid_model_keeps_its_layers_parts_under_unit_layers(tiny_dir, tmp_p
     assert not any(type(m).__name__ == "Qwen3_5DecoderLayer" for m in compiled.modules)
     assert all(is_training_forward(vars(layer.mlp).get("forward"))
                for layer in trainer.model.modules() if type(layer).__name__ == "Qwen3_5DecoderLayer")  # fmt: skip
+
+
+@pytest.mark.trains
+@pytest.mark.parametrize("family", ["gemma3", "llava_onevision"])
+def test_whole_siglip_and_decoder_layers_give_the_eager_gradients_and_hooked_layers_compile_by_parts(
+    tiny_dir, tmp_path, fresh_dynamo, family, caplog
+):
+    # Gemma 3: its SigLIP vision layers and decoder layers compile whole. LLaVA-OneVision's vision tower is asked for a
+    # hidden state below its last, so transformers hooks its SigLIP layers' attention to capture outputs (at the first
+    # forward, the baseline's here): compiled whole, those hooks broke the graph at the ContextVar they read. Such a
+    # layer compiles its attention and MLP apart, said once; the decoder layers stay whole. No graph breaks either way.
+    trainer, inputs, eager_loss, eager = _eager_baseline(tiny_dir, tmp_path, family)
+    compiled = CompiledLayers()
+    compiled.attach(trainer.model, unit="layers")
+    _SPLIT_SAID.clear()  # said once per layer class and process
+    with caplog.at_level("INFO", logger="vlm_grpo.engine.compiled_layers"):
+        loss, grads = _loss_and_grads(trainer, inputs)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    _assert_the_eager_loss_and_gradients(loss, grads, eager_loss, eager)
+    split = [m for m in compiled.modules if is_training_forward(vars(m.self_attn).get("forward"))]
+    assert [type(m).__name__ for m in split] == (["SiglipEncoderLayer"] * 2 if family == "llava_onevision" else [])
+    assert ("compiled apart" in caplog.text) == bool(split)
+    assert counters["stats"]["unique_graphs"] == 2 + len({type(m) for m in split})  # two classes, one split in two
+    compiled.detach()  # the split layers' parts too
+    assert not any(is_training_forward(vars(m).get("forward")) for m in trainer.model.modules())
 
 
 def test_the_training_compile_keeps_its_own_graphs_beside_the_decode_steps(fresh_dynamo):
@@ -194,9 +220,9 @@ def test_the_trainer_compiles_as_the_config_says(tiny_dir, tmp_path, caplog):
     # None (the default) is on for a model on a GPU only; True asks for it on the CPU too; torch_compile wins, said.
     assert not _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both").compiled_layers.modules
     asked = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", compile_layers=True)
-    assert len(asked.compiled_layers.modules) == 6
-    layers = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", compile_layers=True, compile_layers_unit="layers")
-    assert len(layers.compiled_layers.modules) == 4  # two decoder layers whole, two vision MLPs
+    assert len(asked.compiled_layers.modules) == 4  # the default unit: two decoder layers whole, two vision MLPs
+    parts = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", compile_layers=True, compile_layers_unit="modules")
+    assert len(parts.compiled_layers.modules) == 6  # the decoder layers' attention and MLP apart
     with caplog.at_level("WARNING", logger="vlm_grpo.training.trainer"):
         whole = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", compile_layers=True, torch_compile=True)
     assert not whole.compiled_layers.modules
@@ -209,7 +235,8 @@ def test_the_next_trainers_config_decides_and_other_forwards_are_left_alone(tiny
 
     def trainer(compile_layers):
         args = VLMGRPOConfig(output_dir=str(tmp_path / str(compile_layers)), per_device_train_batch_size=8,
-                             num_generations=2, report_to="none", use_cpu=True, compile_layers=compile_layers)  # fmt: skip
+                             num_generations=2, report_to="none", use_cpu=True, compile_layers=compile_layers,
+                             compile_layers_unit="modules")  # fmt: skip
         return VLMGRPOTrainer(model, [_zero_reward], args=args, train_dataset=Dataset.from_list(_rows("qwen2_5_vl")),
                               processing_class=processor)  # fmt: skip
 
@@ -221,7 +248,7 @@ def test_the_next_trainers_config_decides_and_other_forwards_are_left_alone(tiny
     patched = modules[0]
     patched.forward = own = lambda *args, **kwargs: None
     compiled = CompiledLayers()
-    assert compiled.attach(model) == len(modules) - 1 and patched not in compiled.modules
+    assert compiled.attach(model, unit="modules") == len(modules) - 1 and patched not in compiled.modules
     compiled.detach()
     assert vars(patched)["forward"] is own and detach_all(model) == 0
 
@@ -308,7 +335,7 @@ def test_new_sequence_lengths_compile_once_more_at_most(tiny_dir, fresh_dynamo, 
     eager = {n: loss_and_grads(n) for n in lengths}
     assert len(eager[37][1]) > 20
     compiled = CompiledLayers()
-    assert compiled.attach(model, shapes=shapes) > 0
+    assert compiled.attach(model, shapes=shapes, unit="modules") > 0
     graphs = []
     for n in lengths:
         loss, grads = loss_and_grads(n)
