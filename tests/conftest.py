@@ -149,3 +149,16 @@ def trl_logps(trainer, model, *args, **kwargs):
 
     with scoring_as_sampled(trainer, model):
         return GRPOTrainer._get_per_token_logps_and_entropies(trainer, model, *args, **kwargs)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and counters empty for the test, and left empty for the tests after it (the counters are
+    global: other tests count their own graphs)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    counters.clear()

@@ -22,17 +22,6 @@ from vlm_grpo.models.loader import FastVisionModel
 from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
 
-@pytest.fixture
-def fresh_dynamo():
-    """Dynamo's caches and counters empty for the test, and left empty for the tests after it (the counters are
-    global: other tests count their own graphs)."""
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    counters.clear()
-
-
 def _loss_and_grads(trainer, inputs):
     model = trainer.model
     model.zero_grad()

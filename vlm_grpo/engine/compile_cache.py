@@ -31,13 +31,26 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-__all__ = ["CHECKPOINT_FOLDER", "CompileCache", "artifact_key", "compiled_count", "default_cache_dir"]
+__all__ = [
+    "CHECKPOINT_FOLDER",
+    "CompileCache",
+    "artifact_key",
+    "compiled_count",
+    "default_cache_dir",
+    "write_atomically",
+]
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FOLDER = "compile_cache"  # inside checkpoint-N/
 # The trainer's settings that change what compiles (their artefacts differ; a run of one would overwrite another's).
-COMPILE_SETTINGS = ("compile_layers", "compile_layers_unit", "compile_layers_dynamic", "compile_linear_attention")
+COMPILE_SETTINGS = (
+    "compile_layers",
+    "compile_layers_unit",
+    "compile_layers_dynamic",
+    "compile_linear_attention",
+    "compile_layers_ahead_of_time",
+)
 OFF = "none"
 # Config entries that name the model rather than shape its code.
 _NAMES = {"_name_or_path", "transformers_version", "_commit_hash"}
@@ -105,7 +118,8 @@ def compiled_count() -> int:
     return sum(inductor.get(k, 0) for k in ("fxgraph_cache_miss", "fxgraph_cache_hit", "fxgraph_cache_bypass"))
 
 
-def _write(path: str, data: bytes) -> None:
+def write_atomically(path: str, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file: a reader never sees half a file."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
@@ -133,6 +147,10 @@ class CompileCache(TrainerCallback):
 
     def _file(self, folder: str) -> str:
         return os.path.join(folder, f"{self.key}.bin")
+
+    def layers_folder(self) -> str | None:
+        """Where the layers' ahead-of-time compiled forwards of this key live (`engine.aot_layers`); None: off."""
+        return None if self.directory is None else os.path.join(self.directory, f"{self.key}-layers")
 
     def load(self, checkpoint: str | None = None) -> str | None:
         """Load the artefacts saved by an earlier run with this key, from `checkpoint`'s folder, else the cache
@@ -172,7 +190,7 @@ class CompileCache(TrainerCallback):
             self._artifacts = result[0]
         path = self._file(os.path.join(checkpoint, CHECKPOINT_FOLDER) if checkpoint else self.directory)
         try:
-            _write(path, self._artifacts)
+            write_atomically(path, self._artifacts)
         except OSError as error:  # a read-only home or a full disk costs the next run a compilation, not this run
             logger.warning("Could not save compiled code to %s (%s); the next run compiles again.", path, error)
             return None

@@ -55,6 +55,7 @@ from torch import nn
 from ..families import core_model
 from ..integrations.unsloth import uses_unsloth
 from ..models.modes import checkpointing_mode
+from .aot_layers import AheadOfTime
 from .prefix_cache import serves
 from .quantized_generation import is_quantized_linear
 
@@ -171,14 +172,17 @@ class CompiledLayers:
         self.modules: list[nn.Module] = []
         self._said: set[str] = set()
         self._unit = "modules"
+        self.ahead: AheadOfTime | None = None  # whole layers' ahead-of-time compiled forwards (`engine.aot_layers`)
 
-    def attach_as_configured(self, model: nn.Module, config: Any, blocked_by: str | None = None) -> None:
+    def attach_as_configured(self, model: nn.Module, config: Any, blocked_by: str | None = None,
+                             layers_folder: str | None = None) -> None:  # fmt: skip
         """`attach` as the trainer's config asks (`VLMGRPOConfig.compile_layers`, `compile_linear_attention`,
         `compile_layers_dynamic`, `compile_layers_unit`; a plain GRPOConfig gets their defaults): None is on for a
         model on a GPU (where the training phase is host-bound), False off. `blocked_by` names a trainer setting that
         rules it out (torch_compile, sharded layers); that, or what `unsupported_reason` finds, leaves the layers
-        uncompiled, said once when they were asked for by name. Idempotent; compiled forwards another trainer left on
-        the model are removed first (this config decides)."""
+        uncompiled, said once when they were asked for by name. `layers_folder`: where `compile_layers_ahead_of_time`
+        keeps whole layers' functions (`engine.aot_layers`; None: the compile cache is off, so is that). Idempotent;
+        compiled forwards another trainer left on the model are removed first (this config decides)."""
         setting = getattr(config, "compile_layers", None)
         if not self.modules:
             detach_all(model)
@@ -191,6 +195,11 @@ class CompiledLayers:
                 logger.warning("compile_layers=True, but the layers are left uncompiled: %s.", reason)
             return
         before = len(self.modules)
+        if getattr(config, "compile_layers_ahead_of_time", False) and layers_folder is not None:
+            if self.ahead is None or self.ahead.folder != layers_folder:
+                self.ahead = AheadOfTime(layers_folder)
+        else:
+            self.ahead = None
         count = self.attach(model, getattr(config, "compile_linear_attention", False),
                             getattr(config, "compile_layers_dynamic", "length"),
                             getattr(config, "compile_layers_unit", "layers"))  # fmt: skip
@@ -220,7 +229,7 @@ class CompiledLayers:
         names = (*COMPILED_CHILDREN, LINEAR_ATTENTION_CHILD) if linear_attention else COMPILED_CHILDREN
         for layer in _checkpointable_layers(model):
             if unit == "layers" and _whole(layer) and "forward" not in layer.__dict__:
-                layer.forward = _TrainingForward(layer, shapes, whole=True)
+                layer.forward = _TrainingForward(layer, shapes, whole=True, ahead=self.ahead)
                 self.modules.append(layer)
                 continue
             if is_training_forward(layer.__dict__.get("forward")):  # whole already
@@ -302,10 +311,12 @@ class _TrainingForward:
     """A module's forward: its class's compiled forward when gradients are on (and nothing else is compiling), its
     own forward otherwise."""
 
-    def __init__(self, module: nn.Module, shapes: str = "length", whole: bool = False) -> None:
+    def __init__(self, module: nn.Module, shapes: str = "length", whole: bool = False,
+                 ahead: AheadOfTime | None = None) -> None:  # fmt: skip
         if shapes not in SHAPE_MODES:
             raise ValueError(shape_mode_error(shapes))
         self.module, self.shapes, self.whole = module, shapes, whole  # whole: a layer (`compile_layers_unit`)
+        self.ahead = ahead if whole else None  # whole layers' functions compiled ahead of time (`engine.aot_layers`)
         self.parts: list[nn.Module] = []  # a whole layer's children given forwards of their own (`_split`)
         self._inside = [m for m in module.modules() if m is not module] if whole else []
 
@@ -320,10 +331,17 @@ class _TrainingForward:
         if torch.is_grad_enabled() and not torch.compiler.is_compiling() and not _given_cache(kwargs):
             if self.whole and (self.parts or _hooked(self._inside)):
                 return self._split(forward)(self.module, *args, **kwargs)
-            if self.shapes == "length":
-                _mark_length_dynamic(args, kwargs)
-            return _compiled(forward, SHAPE_MODES[self.shapes], self.whole)(self.module, *args, **kwargs)
+            if self.ahead is not None:  # no marks on the call's tensors: a loaded function's guards refuse them
+                mark = _mark_length_dynamic if self.shapes == "length" else lambda *_: None
+                return self.ahead.call(self.module, args, kwargs, SHAPE_MODES[self.shapes], mark,
+                                       lambda: self._compiled_call(forward, args, kwargs))  # fmt: skip
+            return self._compiled_call(forward, args, kwargs)
         return forward(self.module, *args, **kwargs)
+
+    def _compiled_call(self, forward: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        if self.shapes == "length":
+            _mark_length_dynamic(args, kwargs)
+        return _compiled(forward, SHAPE_MODES[self.shapes], self.whole)(self.module, *args, **kwargs)
 
     def _split(self, forward: Any) -> Any:
         """Give this whole layer's children their own compiled forwards (once) and return the layer's eager forward.

@@ -185,9 +185,9 @@ class VLMGRPOTrainer(GRPOTrainer):
         # hands it back to `_get_per_token_logps_and_entropies`.
         if self.beta != 0.0 and self.ref_model is None and (layers := layers_to_switch(unwrapped)) is not None:
             self.ref_model = AdaptersOff(lambda: self.model, layers)
+        self.compile_cache = CompileCache.for_trainer(unwrapped, args)
         self.compiled_layers = CompiledLayers()
         self._compile_layers()
-        self.compile_cache = CompileCache.for_trainer(unwrapped, args)
         # compile_cache saves what the steps compile, for the next run; gc_freeze spares the steps full collections
         self.gc_freeze = FreezeLongLived.as_configured(getattr(args, "gc_freeze", False), self.accelerator.device)
         for callback in (self.nonfinite_guard, self.preemption, self.compile_cache, self.gc_freeze):
@@ -207,7 +207,7 @@ class VLMGRPOTrainer(GRPOTrainer):
             else "sharded (FSDP1 / DeepSpeed) layers" if fsdp1 or self.is_deepspeed_enabled else None
         )  # fmt: skip
         a, unwrapped = self.args, self.accelerator.unwrap_model(self.model)
-        self.compiled_layers.attach_as_configured(unwrapped, a, blocked_by)
+        self.compiled_layers.attach_as_configured(unwrapped, a, blocked_by, self.compile_cache.layers_folder())
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`, after checking this TRL can compute GRPO log-probs on this device.

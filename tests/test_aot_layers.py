@@ -1,0 +1,112 @@
+"""`vlm_grpo.engine.aot_layers`: whole layers' training forwards compiled ahead of time, saved, and loaded by a later
+trainer with no Dynamo trace, giving the eager gradients; a signature's key covers what a loaded function's dropped
+guards would have checked; whatever it cannot serve falls back to torch.compile, said once."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+from test_compiled_layers import _assert_the_eager_loss_and_gradients, _loss_and_grads
+from test_shared_prefix import _batch, _trainer
+from torch._dynamo.utils import counters
+
+from vlm_grpo.engine.aot_layers import AheadOfTime, signature_key
+from vlm_grpo.training.trainer import VLMGRPOConfig
+
+
+@pytest.mark.trains
+def test_a_later_trainer_loads_the_saved_layer_and_gets_the_eager_gradients_without_tracing_it(
+    tiny_dir, tmp_path, fresh_dynamo
+):
+    cache = str(tmp_path / "cache")
+    trainer = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", gc=True, compile_layers=True,
+                       compile_layers_ahead_of_time=True, compile_cache_dir=cache)  # fmt: skip
+    inputs = _batch(trainer, "qwen2_5_vl")
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.compiled_layers.detach()
+    eager_loss, eager = _loss_and_grads(trainer, inputs)
+    trainer._compile_layers()
+    first = trainer.compiled_layers.ahead
+    _assert_the_eager_loss_and_gradients(*_loss_and_grads(trainer, inputs), eager_loss, eager)
+    assert (first.compiled, first.loaded) == (1, 0)  # one function for both decoder layers and every length
+    assert len(glob.glob(os.path.join(trainer.compile_cache.layers_folder(), "*.aot"))) == 1
+    # A later trainer (a new AheadOfTime, Dynamo's caches empty): the decoder layer is loaded, not traced; only the
+    # vision blocks' MLP (compiled by parts) is.
+    trainer.compiled_layers.detach()
+    trainer.compiled_layers.ahead = None
+    torch._dynamo.reset()
+    counters.clear()
+    trainer._compile_layers()
+    later = trainer.compiled_layers.ahead
+    assert later is not first
+    _assert_the_eager_loss_and_gradients(*_loss_and_grads(trainer, inputs), eager_loss, eager)
+    assert (later.compiled, later.loaded) == (0, 1)
+    assert counters["stats"]["unique_graphs"] == 1  # the vision MLP's
+    trainer.compiled_layers.detach()
+
+
+def test_the_key_covers_what_a_loaded_functions_dropped_guards_would_have_checked():
+    layers = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SiLU()) for _ in range(2)]
+    x = torch.randn(2, 3, 4)
+    key = signature_key(layers[0], (x,), {"mask": None})
+    assert signature_key(layers[1], (torch.randn(2, 9, 4),), {"mask": None}) == key  # another layer, another length
+    other_activation = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+    differs = [
+        signature_key(other_activation, (x,), {"mask": None}),  # an object identity Dynamo would have guarded
+        signature_key(layers[0], (x.clone().requires_grad_(),), {"mask": None}),
+        signature_key(layers[0], (x.double(),), {"mask": None}),
+        signature_key(layers[0], (x,), {"mask": torch.ones(2, 3)}),
+        signature_key(layers[0], (x,), {}),
+    ]
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # global state: dropped from a saved function's guards
+        differs.append(signature_key(layers[0], (x,), {"mask": None}))
+    assert key not in differs and len(set(differs)) == len(differs)
+
+
+class _Breaks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.linear(x)
+        torch._dynamo.graph_break()  # not one graph: aot_compile (fullgraph) refuses it
+        return y.relu()
+
+
+def test_a_layer_that_breaks_the_graph_runs_through_torch_compile_said_once(tmp_path, caplog, fresh_dynamo):
+    ahead, layer, calls = AheadOfTime(str(tmp_path)), _Breaks(), []
+
+    def fallback():
+        calls.append(1)
+        return layer(x)
+
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    with caplog.at_level("WARNING", logger="vlm_grpo.engine.aot_layers"):
+        for _ in range(2):
+            out = ahead.call(layer, (x,), {}, None, lambda *_: None, fallback)
+    assert torch.equal(out, layer(x)) and len(calls) == 2
+    assert caplog.text.count("compiled by torch.compile instead") == 1 and ahead.compiled == 0
+    assert not os.listdir(tmp_path)
+
+
+def test_a_torn_file_is_said_and_compiled_again(tmp_path, caplog, fresh_dynamo):
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SiLU())
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    path = tmp_path / f"{signature_key(layer, (x,), {})}-0.aot"
+    path.write_bytes(b"not a compiled function")
+    ahead = AheadOfTime(str(tmp_path))
+    with caplog.at_level("WARNING", logger="vlm_grpo.engine.aot_layers"):
+        out = ahead.call(layer, (x,), {}, None, lambda *_: None, lambda: pytest.fail("compiled, not fallen back"))
+    assert "could not be loaded" in caplog.text and (ahead.loaded, ahead.compiled) == (0, 1)
+    assert torch.allclose(out, layer(x)) and path.read_bytes() != b"not a compiled function"
+
+
+def test_ahead_of_time_needs_whole_layers_with_dynamic_lengths(tmp_path):
+    for setting in ({"compile_layers_unit": "modules"}, {"compile_layers_dynamic": "auto"}):
+        with pytest.raises(ValueError, match="compile_layers_ahead_of_time compiles whole layers"):
+            VLMGRPOConfig(output_dir=str(tmp_path), compile_layers_ahead_of_time=True, **setting)

@@ -1,0 +1,167 @@
+"""Whole layers' training forwards compiled ahead of time and kept on disk, so a later process skips Dynamo's trace.
+
+Why: with the compile cache warm (`engine.compile_cache`), a process's first step still traces every compiled frame
+with Dynamo before Inductor's code comes from the cache: on an H200 the 7B's cached first step took 11.1 s, 3.0 s of
+it in Dynamo's traces (issue #48 asks <= 10 s). `torch.compile(fullgraph=True).aot_compile(...)` traces and compiles a
+function as torch.compile does (the training forward and backward: the same cost on a fresh machine, 39.8 s against
+39.9 s on the CPU probe, `benchmarks/results/cpu-aot-probe/`), and its result can be saved and loaded by a later
+process in a fraction of a second, with no trace.
+
+What: `VLMGRPOConfig.compile_layers_ahead_of_time` (off by default until the GPU measures it) gives each whole layer's
+compiled training forward (`engine.compiled_layers`, `compile_layers_unit="layers"`) one of these per call signature,
+in the compile cache's folder (`<compile cache dir>/<key>-layers/`, keyed by versions, GPU, architecture and settings).
+The function compiled is a module-level trampoline to the layer's class forward (transformers' class forwards are
+wrapped, so they cannot be pickled by reference); one serves every layer of a class and every length.
+
+Never a silent wrong result: a loaded function checks the guards that could be saved (sizes, dtypes, module
+attributes), but torch drops the rest: global state (autocast, deterministic algorithms) and object identities (the
+layer's class, its activation). So the file's name hashes what those would have guarded: the layer's class, its
+forward's code, its structure (`repr`: every submodule's class and sizes), the call's signature (argument names;
+tensors' dtypes, devices, ranks and whether they require grad; other arguments' values) and the global state. A
+signature whose trace breaks the graph (fullgraph), a file that does not load, or 8 signatures used up, fall back to
+torch.compile for that signature, said once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .compile_cache import write_atomically
+
+__all__ = ["AheadOfTime", "signature_key"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_ENTRIES = 8  # per signature, as Dynamo's recompile limit per frame
+_GUARD_FAILED = "GuardManager check failed"  # how a loaded function refuses a call
+
+
+def _layer_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """What is compiled: the module's class forward, read at each call (FSDP2's subclass; transformers' wrappers)."""
+    return type(module).forward(module, *args, **kwargs)
+
+
+def _describe(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), str(value.device), value.dim(), value.requires_grad)
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, *map(_describe, value))
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return type(value).__qualname__
+
+
+@functools.cache
+def _code(function: Any) -> str:
+    """A hash of the bytecode and constants of `function` and of every function it wraps."""
+    digest = hashlib.sha256()
+    while function is not None:
+        code = getattr(function, "__code__", None)
+        if code is not None:
+            digest.update(code.co_code + repr(code.co_consts).encode())
+        function = getattr(function, "__wrapped__", None)
+    return digest.hexdigest()
+
+
+# A module's class, forward and structure, hashed once per module: its `repr` alone takes ~0.4 ms for a LoRA layer,
+# and a step calls every layer twice (the forward and checkpointing's recomputation).
+_STRUCTURE: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def _structure(module: torch.nn.Module) -> str:
+    found = _STRUCTURE.get(module)
+    if found is None:
+        kind = type(module)
+        found = _STRUCTURE[module] = hashlib.sha256(
+            f"{kind.__module__}.{kind.__qualname__}|{_code(kind.forward)}|{module!r}".encode()
+        ).hexdigest()
+    return found
+
+
+def signature_key(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> str:
+    """A hash of what a loaded function's dropped guards would have checked (the module docstring): two calls with
+    the same key may share a saved function, whose own guards check the rest."""
+    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+    state = (torch.is_autocast_enabled(device), str(torch.get_autocast_dtype(device)),
+             torch.are_deterministic_algorithms_enabled(), str(torch.get_default_dtype()))  # fmt: skip
+    parts = (_structure(module), state, [_describe(a) for a in args],
+             sorted((k, repr(_describe(v))) for k, v in kwargs.items()))  # fmt: skip
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
+
+
+class AheadOfTime:
+    """The ahead-of-time compiled training forwards of whole layers, loaded from and saved to `folder`."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self._entries: dict[str, list[Any]] = {}  # key -> functions (loaded or compiled), tried in order
+        self._given_up: set[str] = set()  # keys served by torch.compile instead
+        self.loaded = self.compiled = 0
+
+    def call(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], dynamic: bool | None,
+             mark: Callable[[tuple, dict], None], fallback: Callable[[], Any]) -> Any:  # fmt: skip
+        """`module`'s training forward on `args` / `kwargs`: through a function loaded or compiled for their
+        signature, else `fallback()` (torch.compile). `mark` marks the example inputs' dynamic sizes before a compile
+        (`dynamic`: torch.compile's)."""
+        key = signature_key(module, args, kwargs)
+        if key in self._given_up:
+            return fallback()
+        entries = self._entries.get(key)
+        if entries is None:
+            entries = self._entries[key] = self._load(key)
+        for entry in entries:
+            try:
+                return entry(module, *args, **kwargs)
+            except RuntimeError as error:
+                if not str(error).startswith(_GUARD_FAILED):
+                    raise
+        if len(entries) >= _MAX_ENTRIES:
+            return self._give_up(key, f"{_MAX_ENTRIES} compiled functions for one signature", fallback)
+        mark(args, kwargs)
+        try:
+            entry = torch.compile(_layer_forward, fullgraph=True, dynamic=dynamic).aot_compile(
+                ((module, *args), kwargs)
+            )
+        except Exception as error:  # noqa: BLE001 (a graph break under fullgraph, an unsupported call: torch.compile)
+            return self._give_up(key, f"{type(error).__name__}: {str(error).splitlines()[0][:200]}", fallback)
+        entries.append(entry)
+        self.compiled += 1
+        self._save(entry, os.path.join(self.folder, f"{key}-{len(entries) - 1}.aot"))
+        return entry(module, *args, **kwargs)
+
+    def _load(self, key: str) -> list[Any]:
+        entries = []
+        for index in range(_MAX_ENTRIES):
+            path = os.path.join(self.folder, f"{key}-{index}.aot")
+            if not os.path.isfile(path):
+                break
+            try:
+                with open(path, "rb") as f:
+                    entries.append(torch.compiler.load_compiled_function(f))
+            except Exception as error:  # noqa: BLE001 (a stale or torn file: compiling again is the fallback)
+                logger.warning("Compiled layer in %s could not be loaded (%s: %s); compiling again.", path,
+                               type(error).__name__, error)  # fmt: skip
+                break
+        self.loaded += len(entries)
+        return entries
+
+    def _save(self, entry: Any, path: str) -> None:
+        try:
+            write_atomically(path, type(entry).serialize(entry).serialized_data)
+        except Exception as error:  # noqa: BLE001 (unpicklable or a full disk: the next run compiles again)
+            logger.warning("Could not save a compiled layer to %s (%s: %s); the next run compiles it again.", path,
+                           type(error).__name__, error)  # fmt: skip
+
+    def _give_up(self, key: str, reason: str, fallback: Callable[[], Any]) -> Any:
+        self._given_up.add(key)
+        logger.warning("compile_layers_ahead_of_time: a layer's training forward is compiled by torch.compile instead "
+                       "(%s).", reason)  # fmt: skip
+        return fallback()
