@@ -106,7 +106,51 @@ def test_a_torn_file_is_said_and_compiled_again(tmp_path, caplog, fresh_dynamo):
     assert torch.allclose(out, layer(x)) and path.read_bytes() != b"not a compiled function"
 
 
-def test_ahead_of_time_needs_whole_layers_with_dynamic_lengths(tmp_path):
+def test_ahead_of_time_needs_whole_layers_with_dynamic_lengths_and_the_compile_cache(tmp_path):
     for setting in ({"compile_layers_unit": "modules"}, {"compile_layers_dynamic": "auto"}):
         with pytest.raises(ValueError, match="compile_layers_ahead_of_time compiles whole layers"):
             VLMGRPOConfig(output_dir=str(tmp_path), compile_layers_ahead_of_time=True, **setting)
+    with pytest.raises(ValueError, match="compile_cache_dir='none' turns off: set a folder"):
+        VLMGRPOConfig(output_dir=str(tmp_path), compile_layers_ahead_of_time=True, compile_cache_dir="none")
+
+
+def test_a_loaded_function_its_guards_refuse_gets_a_function_of_its_own(tmp_path, fresh_dynamo):
+    # eval() is not in the file's key but in the saved guards: the function traced in training mode (dropout on)
+    # refuses the call, and one compiled for it serves it.
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    AheadOfTime(str(tmp_path)).call(layer, (x,), {}, None, lambda *_: None, lambda: pytest.fail("fell back"))
+    later = AheadOfTime(str(tmp_path))
+    layer.eval()
+    out = later.call(layer, (x,), {}, None, lambda *_: None, lambda: pytest.fail("fell back"))
+    assert (later.loaded, later.compiled) == (1, 1) and len(os.listdir(tmp_path)) == 2
+    assert torch.allclose(out, layer(x))  # no dropout: the eval-mode forward, not the loaded training one
+
+
+def test_a_file_compiled_from_other_sources_is_said_and_compiled_again(tmp_path, caplog, monkeypatch, fresh_dynamo):
+    from vlm_grpo.engine import aot_layers
+
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SiLU())
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    AheadOfTime(str(tmp_path)).call(layer, (x,), {}, None, lambda *_: None, lambda: pytest.fail("fell back"))
+    # As if torch.nn's sources had changed since (an upgrade in place, an edited file): what the file inlined is stale.
+    monkeypatch.setattr(aot_layers, "_CURRENT_SOURCE", dict.fromkeys(["torch.nn.modules.linear"], "changed"))
+    later = AheadOfTime(str(tmp_path))
+    with caplog.at_level("WARNING", logger="vlm_grpo.engine.aot_layers"):
+        out = later.call(layer, (x,), {}, None, lambda *_: None, lambda: pytest.fail("fell back"))
+    assert "compiled from another version of torch.nn.modules.linear" in caplog.text
+    assert (later.loaded, later.compiled) == (0, 1) and torch.allclose(out, layer(x))
+
+
+def test_a_function_patched_into_a_layers_module_changes_the_key(monkeypatch):
+    from vlm_grpo.engine.aot_layers import _module_globals
+
+    x = torch.randn(2, 3, 4)
+    key = signature_key(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SiLU()), (x,), {})
+    monkeypatch.setattr(torch.nn.modules.activation, "silu", lambda t: t * 0, raising=False)  # a library's patch
+    _module_globals.cache_clear()
+    try:
+        assert signature_key(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SiLU()), (x,), {}) != key
+    finally:
+        _module_globals.cache_clear()

@@ -13,21 +13,27 @@ in the compile cache's folder (`<compile cache dir>/<key>-layers/`, keyed by ver
 The function compiled is a module-level trampoline to the layer's class forward (transformers' class forwards are
 wrapped, so they cannot be pickled by reference); one serves every layer of a class and every length.
 
-Never a silent wrong result: a loaded function checks the guards that could be saved (sizes, dtypes, module
-attributes), but torch drops the rest: global state (autocast, deterministic algorithms) and object identities (the
-layer's class, its activation). So the file's name hashes what those would have guarded: the layer's class, its
-forward's code, its structure (`repr`: every submodule's class and sizes), the call's signature (argument names;
-tensors' dtypes, devices, ranks and whether they require grad; other arguments' values) and the global state. A
-signature whose trace breaks the graph (fullgraph), a file that does not load, or 8 signatures used up, fall back to
-torch.compile for that signature, said once.
+Never a silent wrong result: a loaded function checks the guards that could be saved (sizes, dtypes, grad mode and
+autocast, module attributes such as training mode, LoRA scaling and dropout, the attention implementation), but torch
+drops the guards on global names (the functions a layer's code reaches by name: `apply_rotary_pos_emb`, the
+attention registry, PEFT's helpers) and on object identities. So the file's name also hashes the layer's class, its
+forward's code, its structure (`repr`: every submodule's class and sizes), which object each function and class name
+of those submodules' Python modules holds (a library's patch changes it), the call's signature (argument names;
+tensors' dtypes, devices, ranks and whether they require grad; other arguments' values) and autocast; and a file
+whose inlined sources changed since (an edited or upgraded-in-place library: torch records them) is compiled again.
+A signature whose trace breaks the graph (fullgraph), a file that does not load, or 8 functions for one signature
+fall back to torch.compile for that signature, said once.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import logging
 import os
+import sys
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -45,7 +51,9 @@ _GUARD_FAILED = "GuardManager check failed"  # how a loaded function refuses a c
 
 
 def _layer_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """What is compiled: the module's class forward, read at each call (FSDP2's subclass; transformers' wrappers)."""
+    """What is compiled: the module's class forward (transformers wraps class forwards, so they cannot be pickled by
+    reference; this can). FSDP2's generated per-layer classes cannot be pickled at all: such runs use what they
+    compile but cannot save it (said), or fall back to torch.compile."""
     return type(module).forward(module, *args, **kwargs)
 
 
@@ -71,19 +79,74 @@ def _code(function: Any) -> str:
     return digest.hexdigest()
 
 
-# A module's class, forward and structure, hashed once per module: its `repr` alone takes ~0.4 ms for a LoRA layer,
-# and a step calls every layer twice (the forward and checkpointing's recomputation).
+@functools.cache
+def _module_globals(name: str) -> str:
+    """A hash of the functions and classes the Python module `name` holds by name (which object each name is): a
+    loaded function does not check them (its guards on globals are dropped), and a library that patches a model
+    (e.g. replacing `apply_rotary_pos_emb`) changes them. Once per process: patches come before training."""
+    entries = []
+    for key, value in sorted(vars(sys.modules[name]).items()) if name in sys.modules else ():
+        if callable(value):
+            try:
+                code = _code(value)
+            except TypeError:  # an unhashable callable object: its name and type stand for it
+                code = type(value).__qualname__
+            entries.append((key, getattr(value, "__module__", ""), getattr(value, "__qualname__", ""), code))
+    return hashlib.sha256(repr(entries).encode()).hexdigest()
+
+
+# A module's class, forward, structure and the globals of the Python modules its classes come from, hashed once per
+# module: its `repr` alone takes ~0.4 ms for a LoRA layer, and a step calls every layer twice (the forward and
+# checkpointing's recomputation).
 _STRUCTURE: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def _attention_functions() -> str:
+    """transformers' attention registry (`ALL_ATTENTION_FUNCTIONS`: which function each implementation name calls)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return repr(sorted((name, getattr(f, "__module__", ""), getattr(f, "__qualname__", ""))
+                       for name, f in ALL_ATTENTION_FUNCTIONS.items()))  # fmt: skip
 
 
 def _structure(module: torch.nn.Module) -> str:
     found = _STRUCTURE.get(module)
     if found is None:
         kind = type(module)
+        sources = sorted({type(m).__module__ for m in module.modules()})
         found = _STRUCTURE[module] = hashlib.sha256(
-            f"{kind.__module__}.{kind.__qualname__}|{_code(kind.forward)}|{module!r}".encode()
+            f"{kind.__module__}.{kind.__qualname__}|{_code(kind.forward)}|{module!r}|{_attention_functions()}|".encode()
+            + "|".join(map(_module_globals, sources)).encode()
         ).hexdigest()
     return found
+
+
+def _views(value: Any) -> Any:
+    """`value` with every tensor (in tuples and lists too) replaced by a view of itself: marks for a compile go on
+    those, not on tensors other layers' calls share (a loaded function refuses a tensor marked dynamic)."""
+    if isinstance(value, torch.Tensor):
+        return value.view_as(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_views(v) for v in value)
+    return value
+
+
+_CURRENT_SOURCE: dict[str, str | None] = {}
+
+
+def _stale(entry: Any) -> str | None:
+    """The first Python module whose source changed since `entry` was compiled from it (an editable install, a
+    patched file), or None. Its inlined code would run as it was: torch records each module's source with it."""
+    for inlined in entry.source_info().inlined_sources:
+        if inlined.module not in _CURRENT_SOURCE:
+            module = sys.modules.get(inlined.module)
+            try:
+                _CURRENT_SOURCE[inlined.module] = inspect.getsource(module) if module is not None else None
+            except (OSError, TypeError):
+                _CURRENT_SOURCE[inlined.module] = None
+        if _CURRENT_SOURCE[inlined.module] != inlined.content:
+            return inlined.module
+    return None
 
 
 def signature_key(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> str:
@@ -125,11 +188,14 @@ class AheadOfTime:
                     raise
         if len(entries) >= _MAX_ENTRIES:
             return self._give_up(key, f"{_MAX_ENTRIES} compiled functions for one signature", fallback)
-        mark(args, kwargs)
+        example_args, example_kwargs = _views(args), {k: _views(v) for k, v in kwargs.items()}
+        mark(example_args, example_kwargs)
         try:
-            entry = torch.compile(_layer_forward, fullgraph=True, dynamic=dynamic).aot_compile(
-                ((module, *args), kwargs)
-            )
+            with warnings.catch_warnings():  # Dynamo's guards read `.grad` of the non-leaf inputs: a UserWarning
+                warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+                entry = torch.compile(_layer_forward, fullgraph=True, dynamic=dynamic).aot_compile(
+                    ((module, *example_args), example_kwargs)
+                )
         except Exception as error:  # noqa: BLE001 (a graph break under fullgraph, an unsupported call: torch.compile)
             return self._give_up(key, f"{type(error).__name__}: {str(error).splitlines()[0][:200]}", fallback)
         entries.append(entry)
@@ -145,11 +211,17 @@ class AheadOfTime:
                 break
             try:
                 with open(path, "rb") as f:
-                    entries.append(torch.compiler.load_compiled_function(f))
+                    entry = torch.compiler.load_compiled_function(f)
+                changed = _stale(entry)
             except Exception as error:  # noqa: BLE001 (a stale or torn file: compiling again is the fallback)
                 logger.warning("Compiled layer in %s could not be loaded (%s: %s); compiling again.", path,
                                type(error).__name__, error)  # fmt: skip
                 break
+            if changed is not None:
+                logger.warning("Compiled layer in %s was compiled from another version of %s; compiling again.",
+                               path, changed)  # fmt: skip
+                break
+            entries.append(entry)
         self.loaded += len(entries)
         return entries
 

@@ -16,7 +16,7 @@ wraps the layer around the compiled children, and the recomputation in backward 
 instead, the same way: one graph call a layer rather than two, its norms and residual adds fused in (`UNITS`); a model
 with recurrent layers keeps its layers' parts (its prompt-cache scoring passes every layer a cache, and such calls run
 as written), and so does a layer found with module hooks inside at a training call (transformers' output capture:
-traced, they break the graph; added after the compile, they would not run). Its compiled code is a copy of the class forward's, so the decode step's graphs of that forward
+traced, they break the graph). Its compiled code is a copy of the class forward's, so the decode step's graphs of that forward
 (`engine.regional_decode`) do not count against the training graphs' recompile limit.
 
 When: only with gradients on and outside any other compilation, i.e. the policy's forward in the loss and its
@@ -232,7 +232,8 @@ class CompiledLayers:
                 layer.forward = _TrainingForward(layer, shapes, whole=True, ahead=self.ahead)
                 self.modules.append(layer)
                 continue
-            if is_training_forward(layer.__dict__.get("forward")):  # whole already
+            if is_training_forward(whole := layer.__dict__.get("forward")):  # whole already: this call's store
+                whole.ahead = self.ahead
                 continue
             for name in names:
                 child = getattr(layer, name, None)
@@ -346,9 +347,9 @@ class _TrainingForward:
     def _split(self, forward: Any) -> Any:
         """Give this whole layer's children their own compiled forwards (once) and return the layer's eager forward.
         Hooks on modules inside a layer (transformers' output capture, installed at the first forward that asks for
-        hidden states or router logits) are inside its graph when compiled whole: Dynamo breaks the graph at the
-        `ContextVar` they read, and does not guard on hooks, so one added after the compile would not run. Compiled
-        by parts, the hooks run outside the graphs, as with `unit="modules"`."""
+        hidden states or router logits) are inside its graph when compiled whole, and Dynamo breaks the graph at the
+        `ContextVar` they read: the layer ran mostly uncompiled. Compiled by parts, the hooks on the attention and the
+        MLP run outside their graphs, as with `unit="modules"` (hooks deeper inside still break those)."""
         if not self.parts:
             for name in COMPILED_CHILDREN:
                 child = getattr(self.module, name)

@@ -311,6 +311,9 @@ class VLMGRPOConfig(GRPOConfig):
         ):
             raise ValueError("compile_layers_ahead_of_time compiles whole layers with their lengths dynamic: it needs "
                              "compile_layers_unit='layers' and compile_layers_dynamic 'length' or 'all'.")  # fmt: skip
+        if self.compile_layers_ahead_of_time and self.compile_cache_dir == "none":
+            raise ValueError("compile_layers_ahead_of_time keeps what it compiles in the compile cache's folder, which "
+                             "compile_cache_dir='none' turns off: set a folder (or leave it None).")  # fmt: skip
         if self.max_nonfinite_steps < 1:
             raise ValueError(f"max_nonfinite_steps must be >= 1, got {self.max_nonfinite_steps}.")
         super().__post_init__()
