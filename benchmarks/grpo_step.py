@@ -78,7 +78,7 @@ VLM_VARIANTS = {
     # CPU too), the same with gc_freeze, and the attention and MLP compiled apart (the default before it).
     "vlm-grpo-layers": {"compile_layers": True, "compile_layers_unit": "layers"},
     "vlm-grpo-modules": {"compile_layers_unit": "modules"},
-    "vlm-grpo-aot": {"compile_layers_ahead_of_time": True},  # whole layers compiled ahead of time, kept for later runs
+    "vlm-grpo-aot": {"compile_layers": True, "compile_layers_ahead_of_time": True},  # ahead of time, kept (CPU too)
     "vlm-grpo-layers-gc": {"compile_layers": True, "compile_layers_unit": "layers", "gc_freeze": True},
 }
 # Variants set on the trainer's FastGenerator: `vlm-grpo-round3` samples on the host after the recorded forward and

@@ -16,8 +16,9 @@ wraps the layer around the compiled children, and the recomputation in backward 
 instead, the same way: one graph call a layer rather than two, its norms and residual adds fused in (`UNITS`); a model
 with recurrent layers keeps its layers' parts (its prompt-cache scoring passes every layer a cache, and such calls run
 as written), and so does a layer found with module hooks inside at a training call (transformers' output capture:
-traced, they break the graph). Its compiled code is a copy of the class forward's, so the decode step's graphs of that forward
-(`engine.regional_decode`) do not count against the training graphs' recompile limit.
+traced, they break the graph). Its compiled code is a copy of the class forward's, so the decode step's graphs of that
+forward (`engine.regional_decode`) do not count against the training graphs' recompile limit. Whole layers can also be
+compiled ahead of time and kept for later runs (`compile_layers_ahead_of_time`, `engine.aot_layers`).
 
 When: only with gradients on and outside any other compilation, i.e. the policy's forward in the loss and its
 recomputation, and not for a call given a KV cache (Qwen3.5's prompt-cache scoring: Dynamo would compile one graph
