@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import glob
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -154,3 +156,16 @@ def test_a_function_patched_into_a_layers_module_changes_the_key(monkeypatch):
         assert signature_key(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SiLU()), (x,), {}) != key
     finally:
         _module_globals.cache_clear()
+
+
+def test_the_key_is_the_same_in_another_process():
+    # A later run is another process: a key holding anything per process (a code object's repr has its address) would
+    # never find the file the first run saved.
+    code = ("import torch\nfrom vlm_grpo.engine.aot_layers import signature_key\n"
+            "print(signature_key(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SiLU()), (torch.zeros(2, 3, 4),), "
+            "{'mask': None}))")  # fmt: skip
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-1]
+    here = signature_key(
+        torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SiLU()), (torch.zeros(2, 3, 4),), {"mask": None}
+    )
+    assert other == here

@@ -33,6 +33,7 @@ import inspect
 import logging
 import os
 import sys
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -67,14 +68,21 @@ def _describe(value: Any) -> Any:
     return type(value).__qualname__
 
 
+def _code_bytes(code: types.CodeType) -> bytes:
+    """`code`'s bytecode, names and constants, nested code objects (comprehensions, lambdas) by their own content:
+    their `repr` holds a memory address, which would give every process another key."""
+    consts = b"".join(_code_bytes(c) if isinstance(c, types.CodeType) else repr(c).encode() for c in code.co_consts)
+    return code.co_code + repr(code.co_names).encode() + consts
+
+
 @functools.cache
 def _code(function: Any) -> str:
-    """A hash of the bytecode and constants of `function` and of every function it wraps."""
+    """A hash of the code of `function` and of every function it wraps (the same in every process)."""
     digest = hashlib.sha256()
     while function is not None:
         code = getattr(function, "__code__", None)
         if code is not None:
-            digest.update(code.co_code + repr(code.co_consts).encode())
+            digest.update(_code_bytes(code))
         function = getattr(function, "__wrapped__", None)
     return digest.hexdigest()
 
