@@ -109,12 +109,14 @@ def _module_globals(name: str) -> str:
 _STRUCTURE: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
 
 
-def _attention_functions() -> str:
-    """transformers' attention registry (`ALL_ATTENTION_FUNCTIONS`: which function each implementation name calls)."""
+def _attention_functions(module: torch.nn.Module) -> str:
+    """Which function transformers' attention registry (`ALL_ATTENTION_FUNCTIONS`) holds under each implementation
+    name the module's parts are configured with (a saved function checks the name, not the function)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    return repr(sorted((name, getattr(f, "__module__", ""), getattr(f, "__qualname__", ""))
-                       for name, f in ALL_ATTENTION_FUNCTIONS.items()))  # fmt: skip
+    names = {getattr(m.config, "_attn_implementation", None) for m in module.modules() if hasattr(m, "config")}
+    functions = [(n, ALL_ATTENTION_FUNCTIONS[n]) for n in sorted(filter(None, names)) if n in ALL_ATTENTION_FUNCTIONS]
+    return repr([(n, getattr(f, "__module__", ""), getattr(f, "__qualname__", ""), _code(f)) for n, f in functions])
 
 
 def _structure(module: torch.nn.Module) -> str:
@@ -123,7 +125,7 @@ def _structure(module: torch.nn.Module) -> str:
         kind = type(module)
         sources = sorted({type(m).__module__ for m in module.modules()})
         found = _STRUCTURE[module] = hashlib.sha256(
-            f"{kind.__module__}.{kind.__qualname__}|{_code(kind.forward)}|{module!r}|{_attention_functions()}|".encode()
+            f"{kind.__module__}.{kind.__qualname__}|{_code(kind.forward)}|{module!r}|{_attention_functions(module)}|".encode()
             + "|".join(map(_module_globals, sources)).encode()
         ).hexdigest()
     return found
