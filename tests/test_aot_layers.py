@@ -150,9 +150,13 @@ def test_a_function_patched_into_a_layers_module_changes_the_key(monkeypatch):
 
     x = torch.randn(2, 3, 4)
     key = signature_key(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SiLU()), (x,), {})
-    monkeypatch.setattr(torch.nn.modules.activation, "silu", lambda t: t * 0, raising=False)  # a library's patch
+    # Dynamo's own globals (its compiled frames, named anew in every process) are not a patch.
+    monkeypatch.setattr(torch.nn.modules.activation, "__compiled_fn_1_0a1b", lambda t: t, raising=False)
     _module_globals.cache_clear()
     try:
+        assert signature_key(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SiLU()), (x,), {}) == key
+        monkeypatch.setattr(torch.nn.modules.activation, "silu", lambda t: t * 0, raising=False)  # a library's patch
+        _module_globals.cache_clear()
         assert signature_key(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SiLU()), (x,), {}) != key
     finally:
         _module_globals.cache_clear()

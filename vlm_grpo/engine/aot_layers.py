@@ -94,7 +94,8 @@ def _module_globals(name: str) -> str:
     (e.g. replacing `apply_rotary_pos_emb`) changes them. Once per process: patches come before training."""
     entries = []
     for key, value in sorted(vars(sys.modules[name]).items()) if name in sys.modules else ():
-        if callable(value):
+        # Not dunder names: Dynamo puts its compiled frames there (`__compiled_fn_<n>_<uuid>`, `__resume_at_...`).
+        if callable(value) and not key.startswith("__"):
             try:
                 code = _code(value)
             except TypeError:  # an unhashable callable object: its name and type stand for it
