@@ -3,8 +3,8 @@
 Why: with the compile cache warm (`engine.compile_cache`), a process's first step still traces every compiled frame
 with Dynamo before Inductor's code comes from the cache: on an H200 the 7B's cached first step took 11.1 s, 3.0 s of
 it in Dynamo's traces (issue #48 asks <= 10 s). `torch.compile(fullgraph=True).aot_compile(...)` traces and compiles a
-function as torch.compile does (the training forward and backward: the same cost on a fresh machine, 39.8 s against
-39.9 s on the CPU probe, `benchmarks/results/cpu-aot-probe/`), and its result can be saved and loaded by a later
+function as torch.compile does (the training forward and backward: the same cost on a fresh machine, 24.8 s against
+24.4 s on the CPU probe, `benchmarks/results/cpu-aot-probe/`), and its result can be saved and loaded by a later
 process in a fraction of a second, with no trace.
 
 What: `VLMGRPOConfig.compile_layers_ahead_of_time` (off by default until the GPU measures it) gives each whole layer's
@@ -40,8 +40,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-from .compile_cache import write_atomically
 
 __all__ = ["AheadOfTime", "signature_key"]
 
@@ -192,9 +190,12 @@ class AheadOfTime:
         if entries is None:
             entries = self._entries[key] = self._load(key)
         for entry in entries:
+            # With several, each is asked first: a refused call would have it build the failure's verbose report.
+            if len(entries) > 1 and not entry.guard_check(module, *args, **kwargs):
+                continue
             try:
                 return entry(module, *args, **kwargs)
-            except RuntimeError as error:
+            except RuntimeError as error:  # the only one's guards refuse the call
                 if not str(error).startswith(_GUARD_FAILED):
                     raise
         if len(entries) >= _MAX_ENTRIES:
@@ -238,7 +239,8 @@ class AheadOfTime:
 
     def _save(self, entry: Any, path: str) -> None:
         try:
-            write_atomically(path, type(entry).serialize(entry).serialized_data)
+            os.makedirs(self.folder, exist_ok=True)
+            entry.save_compiled_function(path)  # written through a temporary file: a reader never sees half of it
         except Exception as error:  # noqa: BLE001 (unpicklable or a full disk: the next run compiles again)
             logger.warning("Could not save a compiled layer to %s (%s: %s); the next run compiles it again.", path,
                            type(error).__name__, error)  # fmt: skip

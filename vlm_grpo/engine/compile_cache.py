@@ -31,14 +31,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-__all__ = [
-    "CHECKPOINT_FOLDER",
-    "CompileCache",
-    "artifact_key",
-    "compiled_count",
-    "default_cache_dir",
-    "write_atomically",
-]
+__all__ = ["CHECKPOINT_FOLDER", "CompileCache", "artifact_key", "compiled_count", "default_cache_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,8 +111,7 @@ def compiled_count() -> int:
     return sum(inductor.get(k, 0) for k in ("fxgraph_cache_miss", "fxgraph_cache_hit", "fxgraph_cache_bypass"))
 
 
-def write_atomically(path: str, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file: a reader never sees half a file."""
+def _write(path: str, data: bytes) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
@@ -190,7 +182,7 @@ class CompileCache(TrainerCallback):
             self._artifacts = result[0]
         path = self._file(os.path.join(checkpoint, CHECKPOINT_FOLDER) if checkpoint else self.directory)
         try:
-            write_atomically(path, self._artifacts)
+            _write(path, self._artifacts)
         except OSError as error:  # a read-only home or a full disk costs the next run a compilation, not this run
             logger.warning("Could not save compiled code to %s (%s); the next run compiles again.", path, error)
             return None

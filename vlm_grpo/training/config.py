@@ -226,7 +226,7 @@ class VLMGRPOConfig(GRPOConfig):
         metadata={"help": "With compile_layers and compile_layers_unit='layers': compile each whole layer's training "
                   "forward ahead of time (torch's aot_compile, the same cost as torch.compile) and keep it in the "
                   "compile cache's folder, so a later run loads it instead of tracing it with Dynamo again (on the CPU "
-                  "probe a warm first step 3.5 s against 5.2 s). Anything it cannot serve falls back to torch.compile, "
+                  "probe a warm first step 2.3 s against 3.3 s). Anything it cannot serve falls back to torch.compile, "
                   "said once. Off until the GPU measures it. See vlm_grpo.engine.aot_layers."},
     )  # fmt: skip
     compile_cache_dir: str | None = field(

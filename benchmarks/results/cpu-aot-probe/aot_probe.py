@@ -7,8 +7,8 @@ with compiled layers, each run in a new process with its own Inductor cache fold
 
 1. `compile, fresh`: torch.compile as the trainer does, empty caches;
 2. `compile, cached`: the same on what run 1 left (Dynamo traces again, Inductor's code comes from its cache);
-3. `aot, fresh`: the decoder layer's forward by `torch.compile(fullgraph=True).aot_compile(...)`, saved to a file;
-4. `aot, loaded`: run 3's file loaded (`torch.compiler.load_compiled_function`): no Dynamo trace for that layer.
+3. `aot, fresh`: the decoder layer's forward compiled ahead of time and saved (`vlm_grpo.engine.aot_layers`);
+4. `aot, loaded`: run 3's file loaded: no Dynamo trace for that layer.
 
 The vision MLPs compile as in runs 1-2 in every run. Prints each run's seconds and its worst gradient's relative
 difference from the eager one.
@@ -27,19 +27,15 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
-def layer_forward(module, *args, **kwargs):
-    """A module-level trampoline: saved functions are pickled by reference, and transformers' class forwards are
-    wrapped (their `__qualname__` names another object)."""
-    return type(module).forward(module, *args, **kwargs)
-
-
 def run(mode: str, folder: str) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT / "tests"))
+    from test_compiled_layers import _loss_and_grads
     from test_shared_prefix import _batch, _trainer
 
     from vlm_grpo.engine import compiled_layers
+    from vlm_grpo.engine.aot_layers import AheadOfTime
     from vlm_grpo.tiny import build_tiny_vlm
 
     torch.manual_seed(0)
@@ -51,33 +47,13 @@ def run(mode: str, folder: str) -> dict:
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
 
-    def loss_and_grads():
-        trainer.model.zero_grad()
-        trainer.compute_loss(trainer.model, inputs).backward()
-        return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-
-    eager = loss_and_grads()
-    saved, store = os.path.join(folder, "decoder_layer.aot"), {}
-    plain = compiled_layers._TrainingForward.__call__
-
-    def call(self, *args, **kwargs):  # the whole decoder layer through the AOT function, the rest as the trainer does
-        if mode == "compile" or not (self.whole and torch.is_grad_enabled() and not torch.compiler.is_compiling()):
-            return plain(self, *args, **kwargs)
-        if not store:
-            if mode == "aot-save":
-                compiled_layers._mark_length_dynamic(args, kwargs)
-                fn = torch.compile(layer_forward, fullgraph=True).aot_compile(((self.module, *args), kwargs))
-                fn.save_compiled_function(saved)
-            else:  # a loaded function's guards refuse tensors marked dynamic at run time: none are
-                with open(saved, "rb") as f:
-                    fn = torch.compiler.load_compiled_function(f)
-            store["fn"] = fn
-        return store["fn"](self.module, *args, **kwargs)
-
-    compiled_layers._TrainingForward.__call__ = call
-    compiled_layers.CompiledLayers().attach(trainer.model, unit="layers")
+    eager = _loss_and_grads(trainer, inputs)[1]
+    compiled = compiled_layers.CompiledLayers()
+    if mode != "compile":  # the decoder layer through `engine.aot_layers` (compiled and saved, or loaded)
+        compiled.ahead = AheadOfTime(os.path.join(folder, "aot"))
+    compiled.attach(trainer.model, unit="layers")
     start = time.perf_counter()
-    grads = loss_and_grads()
+    grads = _loss_and_grads(trainer, inputs)[1]
     seconds = time.perf_counter() - start
     worst = max(((grads[k] - g).norm() / g.norm()).item() for k, g in eager.items())
     return {"seconds": seconds, "worst_grad_rel": worst, "same_parameters": set(grads) == set(eager)}

@@ -16,6 +16,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "tests"))
 
 import torch
+from test_compiled_layers import _loss_and_grads
 from test_shared_prefix import _batch, _trainer
 from torch._dynamo.utils import counters
 
@@ -36,27 +37,19 @@ def tiny_dir(family: str, **kwargs) -> str:
     return _built[key]
 
 
-def loss_and_grads(trainer, inputs):
-    model = trainer.model
-    model.zero_grad()
-    loss = trainer.compute_loss(model, inputs)
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def probe(family: str) -> str:
     trainer = _trainer(tiny_dir, pathlib.Path(tempfile.mkdtemp()), family, lora="both", gc=True)
     inputs = _batch(trainer, family)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
-    eager_loss, eager = loss_and_grads(trainer, inputs)
+    eager_loss, eager = _loss_and_grads(trainer, inputs)
     out = [f"{family}: eager {eager_loss.item():.5f} unsupported={unsupported_reason(trainer.model)}"]
     for unit in ("modules", "layers"):
         torch._dynamo.reset()
         counters.clear()
         compiled = CompiledLayers()
         count = compiled.attach(trainer.model, unit=unit)
-        loss, grads = loss_and_grads(trainer, inputs)
+        loss, grads = _loss_and_grads(trainer, inputs)
         worst = max(((grads[k] - g).norm() / (g.norm() + 1e-30)).item() for k, g in eager.items())
         out.append(f"{unit}: n={count} graphs={counters['stats']['unique_graphs']} "
                    f"loss_rel={abs(loss - eager_loss).item() / (abs(eager_loss).item() + 1e-12):.2e} "
