@@ -128,6 +128,9 @@ def test_a_loaded_function_its_guards_refuse_gets_a_function_of_its_own(tmp_path
     out = later.call(layer, (x,), {}, None, lambda *_: None, lambda: pytest.fail("fell back"))
     assert (later.loaded, later.compiled) == (1, 1) and len(os.listdir(tmp_path)) == 2
     assert torch.allclose(out, layer(x))  # no dropout: the eval-mode forward, not the loaded training one
+    layer.train()  # two functions now: each is asked first, and the training one serves this call
+    later.call(layer, (x,), {}, None, lambda *_: None, lambda: pytest.fail("fell back"))
+    assert later.compiled == 1
 
 
 def test_a_file_compiled_from_other_sources_is_said_and_compiled_again(tmp_path, caplog, monkeypatch, fresh_dynamo):
