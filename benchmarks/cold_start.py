@@ -82,6 +82,7 @@ def rows(runs: dict) -> list[dict]:
                           "generation_s": first["generation_s"], "scoring_s": first["scoring_s"],
                           "training_s": first["training_s"], "load_s": worker.get("load_s"),
                           "next_s": steps[1]["total_s"] if len(steps) > 1 else None,
+                          "waited_s": steps[1].get("background_compile_wait_s") if len(steps) > 1 else None,
                           "compiled_graphs": worker.get("compiled_graphs"),
                           "compile_s": worker.get("compile_s") or {},
                           "compile_frames": worker.get("compile_frames") or []})  # fmt: skip
@@ -104,7 +105,7 @@ def markdown(table: list[dict], args: argparse.Namespace, env: dict | None) -> s
     head = (f"{args.model}, 2 prompts x 8 generations (grpo_step.py's defaults unless forwarded); "
             f"GPU: {(env or {}).get('gpu', '?')}; torch {(env or {}).get('torch', '?')}")  # fmt: skip
     lines = [head, "",
-             ("| run | trainer | first step s | generation s | scoring s | training s | load s | next step s | compiled graphs "
+             ("| run | trainer | first step s | generation s | scoring s | training s | load s | next step s (+ s waited for a compile process) | compiled graphs "
               "| compiling s: all / Dynamo's trace / AOTAutograd + Inductor / cache loads / Triton builds |"),
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in table:
@@ -112,6 +113,7 @@ def markdown(table: list[dict], args: argparse.Namespace, env: dict | None) -> s
             lines.append(f"| {r['run']} | {r['trainer']} | failed: {r['failed']} |")
             continue
         nxt = f"{r['next_s']:.2f}" if r["next_s"] is not None else ""
+        nxt += f" (+{r['waited_s']:.1f} waited)" if r.get("waited_s") else ""  # for another process's compile
         lines.append(f"| {r['run']} | {r['trainer']} | {r['first_s']:.1f} | {r['generation_s']:.1f} | "
                      f"{r['scoring_s']:.1f} | {r['training_s']:.1f} | {r['load_s']:.1f} | {nxt} | "
                      f"{r['compiled_graphs']} | {_compiling(r.get('compile_s') or {})} |")  # fmt: skip

@@ -68,7 +68,18 @@ def timed(base):
     return Timed
 
 
-def step_timer(records: list, args_profile_step: int = 0):
+def _wait_for_background_compiles(trainer) -> float:
+    """Seconds waited for the layers another process is compiling (`compile_layers_in_background`): the steps after
+    the warm-up measure the compiled layers, not the layers as written while that process runs."""
+    ahead = getattr(getattr(trainer, "compiled_layers", None), "ahead", None)
+    if ahead is None or ahead.background is None or not ahead.background.pending():
+        return 0.0
+    start = time.perf_counter()
+    ahead.background.wait()
+    return time.perf_counter() - start
+
+
+def step_timer(records: list, args_profile_step: int = 0, warmup_steps: int = 1):
     import torch
     from torch.profiler import record_function
     from transformers import TrainerCallback
@@ -78,6 +89,8 @@ def step_timer(records: list, args_profile_step: int = 0):
 
         def on_step_begin(self, args, state, control, **kwargs):
             t = self.trainer
+            # Before the first measured step (the trainer's own callback then loads what the wait saw finish).
+            self.waited = _wait_for_background_compiles(t) if state.global_step == warmup_steps else 0.0
             t._bench_generation = t._bench_scoring = 0.0
             t._bench_peaks = {}
             if torch.cuda.is_available():
@@ -101,6 +114,8 @@ def step_timer(records: list, args_profile_step: int = 0):
             # The step's peak, and each phase's (a phase's peak counter is reset when it ends)
             phases = {**t._bench_peaks, "training": take_peak()}
             records[-1].update(peak_gib=max(phases.values()), peak_phases_gib=phases)
+            if self.waited:
+                records[-1]["background_compile_wait_s"] = self.waited
 
     return StepTimer()
 

@@ -25,7 +25,8 @@ def test_a_later_trainer_loads_the_saved_layer_and_gets_the_eager_gradients_with
 ):
     cache = str(tmp_path / "cache")
     trainer = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", gc=True, compile_layers=True,
-                       compile_layers_ahead_of_time=True, compile_cache_dir=cache)  # fmt: skip
+                       compile_layers_ahead_of_time=True, compile_layers_in_background=False,
+                       compile_cache_dir=cache)  # fmt: skip
     inputs = _batch(trainer, "qwen2_5_vl")
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1

@@ -7,11 +7,13 @@ function as torch.compile does (the training forward and backward: the same cost
 24.4 s on the CPU probe, `benchmarks/results/cpu-aot-probe/`), and its result can be saved and loaded by a later
 process in a fraction of a second, with no trace.
 
-What: `VLMGRPOConfig.compile_layers_ahead_of_time` (off by default until the GPU measures it) gives each whole layer's
-compiled training forward (`engine.compiled_layers`, `compile_layers_unit="layers"`) one of these per call signature,
-in the compile cache's folder (`<compile cache dir>/<key>-layers/`, keyed by versions, GPU, architecture and settings).
-The function compiled is a module-level trampoline to the layer's class forward (transformers' class forwards are
-wrapped, so they cannot be pickled by reference); one serves every layer of a class and every length.
+What: `VLMGRPOConfig.compile_layers_ahead_of_time` (on by default where it can be, `ahead_of_time`; measured on an
+H200: the 7B's cached first step 9.3 s, and the same step time) gives each whole layer's compiled training forward
+(`engine.compiled_layers`, `compile_layers_unit="layers"`) one of these per call signature, in the compile cache's
+folder (`<compile cache dir>/<key>-layers/`, keyed by versions, GPU, architecture and settings). The function compiled
+is a module-level trampoline to the layer's class forward (transformers' class forwards are wrapped, so they cannot be
+pickled by reference); one serves every layer of a class and every length. A signature found nowhere is compiled by
+another process while the layer runs as written (`compile_layers_in_background`, `engine.background_compile`).
 
 Never a silent wrong result: a loaded function checks the guards that could be saved (sizes, dtypes, grad mode and
 autocast, module attributes such as training mode, LoRA scaling and dropout, the attention implementation), but torch
@@ -41,7 +43,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["AheadOfTime", "signature_key"]
+from .background_compile import BackgroundCompiles
+
+__all__ = ["AheadOfTime", "ahead_of_time", "compile_entry", "no_marks", "signature_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -169,14 +173,46 @@ def signature_key(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) 
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
 
 
+def no_marks(args: tuple, kwargs: dict[str, Any]) -> None:
+    """No sizes marked dynamic (`compile_layers_dynamic='all'`: torch.compile's dynamic=True marks them all)."""
+
+
+def ahead_of_time(config: Any, sharded: bool = False) -> bool:
+    """Whether `VLMGRPOConfig.compile_layers_ahead_of_time` is on: None (the default) where it can be, i.e. whole
+    layers with dynamic lengths and not `sharded` by FSDP2 (whose generated per-layer classes cannot be saved; True
+    there says so when saving), where the compile cache is on (the caller's `layers_folder`)."""
+    setting = getattr(config, "compile_layers_ahead_of_time", None)
+    if setting is not None:
+        return bool(setting)
+    unit, shapes = getattr(config, "compile_layers_unit", "layers"), getattr(config, "compile_layers_dynamic", "length")
+    return not sharded and unit == "layers" and shapes != "auto"
+
+
+def compile_entry(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], dynamic: bool | None,
+                  mark: Callable[[tuple, dict], None]) -> Any:  # fmt: skip
+    """`module`'s training forward compiled ahead of time for this call: `mark` marks the dynamic sizes of views of
+    the inputs (`dynamic`: torch.compile's). Raises what the compile raises (a graph break under fullgraph)."""
+    example_args, example_kwargs = _views(args), {k: _views(v) for k, v in kwargs.items()}
+    mark(example_args, example_kwargs)
+    with warnings.catch_warnings():  # Dynamo's guards read `.grad` of the non-leaf inputs: a UserWarning
+        warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+        return torch.compile(_layer_forward, fullgraph=True, dynamic=dynamic).aot_compile(
+            ((module, *example_args), example_kwargs)
+        )
+
+
 class AheadOfTime:
     """The ahead-of-time compiled training forwards of whole layers, loaded from and saved to `folder`."""
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, background: bool = False) -> None:
         self.folder = folder
         self._entries: dict[str, list[Any]] = {}  # key -> functions (loaded or compiled), tried in order
         self._given_up: set[str] = set()  # keys served by torch.compile instead
         self.loaded = self.compiled = 0
+        # With `background`, a signature found nowhere is compiled by another process (`engine.background_compile`).
+        self.background = BackgroundCompiles() if background else None
+        self._pending: set[str] = set()  # keys another process is compiling
+        self._here: set[str] = set()  # keys this process compiles (their other process failed or could not start)
 
     def call(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], dynamic: bool | None,
              mark: Callable[[tuple, dict], None], fallback: Callable[[], Any]) -> Any:  # fmt: skip
@@ -188,7 +224,12 @@ class AheadOfTime:
             return fallback()
         entries = self._entries.get(key)
         if entries is None:
-            entries = self._entries[key] = self._load(key)
+            if key in self._pending:  # another process is compiling it: the layer's own forward until `adopt`
+                return _layer_forward(module, *args, **kwargs)
+            entries = self._load(key)
+            if not entries and self._start(key, module, args, kwargs, dynamic, mark):
+                return _layer_forward(module, *args, **kwargs)
+            self._entries[key] = entries
         for entry in entries:
             # With several, each is asked first: a refused call would have it build the failure's verbose report.
             if len(entries) > 1 and not entry.guard_check(module, *args, **kwargs):
@@ -200,20 +241,48 @@ class AheadOfTime:
                     raise
         if len(entries) >= _MAX_ENTRIES:
             return self._give_up(key, f"{_MAX_ENTRIES} compiled functions for one signature", fallback)
-        example_args, example_kwargs = _views(args), {k: _views(v) for k, v in kwargs.items()}
-        mark(example_args, example_kwargs)
         try:
-            with warnings.catch_warnings():  # Dynamo's guards read `.grad` of the non-leaf inputs: a UserWarning
-                warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
-                entry = torch.compile(_layer_forward, fullgraph=True, dynamic=dynamic).aot_compile(
-                    ((module, *example_args), example_kwargs)
-                )
+            entry = compile_entry(module, args, kwargs, dynamic, mark)
         except Exception as error:  # noqa: BLE001 (a graph break under fullgraph, an unsupported call: torch.compile)
             return self._give_up(key, f"{type(error).__name__}: {str(error).splitlines()[0][:200]}", fallback)
         entries.append(entry)
         self.compiled += 1
         self._save(entry, os.path.join(self.folder, f"{key}-{len(entries) - 1}.aot"))
         return entry(module, *args, **kwargs)
+
+    def _start(self, key: str, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], dynamic: bool | None,
+               mark: Callable[[tuple, dict], None]) -> bool:  # fmt: skip
+        if self.background is None or key in self._here:
+            return False
+        path = os.path.join(self.folder, f"{key}-0.aot")
+        why_not = self.background.start(key, path, module, args, kwargs, dynamic, mark)
+        if why_not is not None:
+            self._here.add(key)
+            logger.warning("compile_layers_in_background: %s; it compiles in this process.", why_not)
+            return False
+        self._pending.add(key)
+        logger.info("compile_layers_in_background: %s's training forward compiles in another process; it runs as "
+                    "written until then.", type(module).__name__)  # fmt: skip
+        return True
+
+    def adopt(self) -> int:
+        """Load the functions other processes finished compiling (call between steps: a checkpoint's recomputation
+        must run what its forward ran); returns how many signatures now have one. A failed process is said, and its
+        signature compiles in this process at its next call."""
+        if self.background is None:
+            return 0
+        adopted = 0
+        for key, failure in self.background.finished():
+            self._pending.discard(key)
+            entries = self._load(key) if failure is None else []
+            if entries:
+                self._entries[key] = entries
+                adopted += 1
+                continue
+            self._here.add(key)
+            logger.warning("compile_layers_in_background: the other process did not compile a layer (%s); it "
+                           "compiles in this process.", failure or "its file did not load")  # fmt: skip
+        return adopted
 
     def _load(self, key: str) -> list[Any]:
         entries = []

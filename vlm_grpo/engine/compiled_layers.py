@@ -52,11 +52,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import TrainerCallback
 
 from ..families import core_model
 from ..integrations.unsloth import uses_unsloth
 from ..models.modes import checkpointing_mode
-from .aot_layers import AheadOfTime
+from .aot_layers import AheadOfTime, ahead_of_time, no_marks
 from .prefix_cache import serves
 from .quantized_generation import is_quantized_linear
 
@@ -166,8 +167,9 @@ def _mark_length_dynamic(args: tuple, kwargs: dict[str, Any]) -> None:
                 torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
-class CompiledLayers:
-    """Compiled attention / MLP forwards on a model's layers (`attach`), removable (`detach`)."""
+class CompiledLayers(TrainerCallback):
+    """Compiled attention / MLP forwards on a model's layers (`attach`), removable (`detach`); as a transformers
+    callback it loads at each step's start what compile processes finished (`AheadOfTime.adopt`)."""
 
     def __init__(self) -> None:
         self.modules: list[nn.Module] = []
@@ -176,13 +178,14 @@ class CompiledLayers:
         self.ahead: AheadOfTime | None = None  # whole layers' ahead-of-time compiled forwards (`engine.aot_layers`)
 
     def attach_as_configured(self, model: nn.Module, config: Any, blocked_by: str | None = None,
-                             layers_folder: str | None = None) -> None:  # fmt: skip
+                             layers_folder: str | None = None, sharded: bool = False) -> None:  # fmt: skip
         """`attach` as the trainer's config asks (`VLMGRPOConfig.compile_layers`, `compile_linear_attention`,
         `compile_layers_dynamic`, `compile_layers_unit`; a plain GRPOConfig gets their defaults): None is on for a
         model on a GPU (where the training phase is host-bound), False off. `blocked_by` names a trainer setting that
         rules it out (torch_compile, sharded layers); that, or what `unsupported_reason` finds, leaves the layers
         uncompiled, said once when they were asked for by name. `layers_folder`: where `compile_layers_ahead_of_time`
-        keeps whole layers' functions (`engine.aot_layers`; None: the compile cache is off, so is that). Idempotent;
+        keeps whole layers' functions (`engine.aot_layers`; None: the compile cache is off, so is that; not by default
+        when `sharded` by FSDP2, whose per-layer classes cannot be saved). Idempotent;
         compiled forwards another trainer left on the model are removed first (this config decides)."""
         setting = getattr(config, "compile_layers", None)
         if not self.modules:
@@ -196,9 +199,10 @@ class CompiledLayers:
                 logger.warning("compile_layers=True, but the layers are left uncompiled: %s.", reason)
             return
         before = len(self.modules)
-        if getattr(config, "compile_layers_ahead_of_time", False) and layers_folder is not None:
-            if self.ahead is None or self.ahead.folder != layers_folder:
-                self.ahead = AheadOfTime(layers_folder)
+        if ahead_of_time(config, sharded) and layers_folder is not None:
+            background = getattr(config, "compile_layers_in_background", True)
+            if self.ahead is None or (self.ahead.folder, bool(self.ahead.background)) != (layers_folder, background):
+                self.ahead = AheadOfTime(layers_folder, background)
         else:
             self.ahead = None
         count = self.attach(model, getattr(config, "compile_linear_attention", False),
@@ -244,6 +248,10 @@ class CompiledLayers:
                     child.forward = _TrainingForward(child, shapes)
                     self.modules.append(child)
         return len(self.modules)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.ahead is not None:
+            self.ahead.adopt()
 
     def detach(self) -> None:
         """Put the modules' own forwards back."""
@@ -322,6 +330,11 @@ class _TrainingForward:
         self.parts: list[nn.Module] = []  # a whole layer's children given forwards of their own (`_split`)
         self._inside = [m for m in module.modules() if m is not module] if whole else []
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Without the loaded functions (they cannot be pickled): Dynamo pickles a layer's attributes with the guards of
+        # each function it compiles ahead of time, this one among them.
+        return {**vars(self), "ahead": None}
+
     @property
     def forward(self) -> Any:
         # Read at each call, not at attach: FSDP2 gives a sharded layer a subclass of its own, and transformers 5.24's
@@ -334,7 +347,9 @@ class _TrainingForward:
             if self.whole and (self.parts or _hooked(self._inside)):
                 return self._split(forward)(self.module, *args, **kwargs)
             if self.ahead is not None:  # no marks on the call's tensors: a loaded function's guards refuse them
-                mark = _mark_length_dynamic if self.shapes == "length" else lambda *_: None
+                mark = (
+                    _mark_length_dynamic if self.shapes == "length" else no_marks
+                )  # by name: a compile process gets it
                 return self.ahead.call(self.module, args, kwargs, SHAPE_MODES[self.shapes], mark,
                                        lambda: self._compiled_call(forward, args, kwargs))  # fmt: skip
             return self._compiled_call(forward, args, kwargs)

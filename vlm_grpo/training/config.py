@@ -221,13 +221,21 @@ class VLMGRPOConfig(GRPOConfig):
                   "loss and gradients up to float rounding. On an H200 (3B, 2 x 8) 'layers' took 0.1-0.2 s off each "
                   "step's training phase, and its first step about 1 s longer (Dynamo traces more per graph)."},
     )  # fmt: skip
-    compile_layers_ahead_of_time: bool = field(
-        default=False,
-        metadata={"help": "With compile_layers and compile_layers_unit='layers': compile each whole layer's training "
-                  "forward ahead of time (torch's aot_compile, the same cost as torch.compile) and keep it in the "
-                  "compile cache's folder, so a later run loads it instead of tracing it with Dynamo again (on the CPU "
-                  "probe a warm first step 2.3 s against 3.3 s). Anything it cannot serve falls back to torch.compile, "
-                  "said once. Off until the GPU measures it. See vlm_grpo.engine.aot_layers."},
+    compile_layers_ahead_of_time: bool | None = field(
+        default=None,
+        metadata={"help": "With compile_layers: compile each whole layer's training forward ahead of time (torch's "
+                  "aot_compile, the same cost as torch.compile) and keep it in the compile cache's folder, so a later "
+                  "run loads it instead of tracing it with Dynamo again (on an H200 the 7B's first step on a warm "
+                  "cache 9.3 s against 11.1 s). Anything it cannot serve falls back to torch.compile, said once. None: "
+                  "on with compile_layers_unit='layers', lengths dynamic and the compile cache on, except under FSDP. "
+                  "See vlm_grpo.engine.aot_layers."},
+    )  # fmt: skip
+    compile_layers_in_background: bool = field(
+        default=True,
+        metadata={"help": "With compile_layers_ahead_of_time: a layer whose compiled forward is in no cache is "
+                  "compiled by another process while it trains as written (the eager results), and loaded at the "
+                  "first step's start after it is done, so a fresh machine's first step does not wait for the compile. "
+                  "False: the first step compiles it. See vlm_grpo.engine.background_compile."},
     )  # fmt: skip
     compile_cache_dir: str | None = field(
         default=None,

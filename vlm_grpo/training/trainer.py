@@ -190,7 +190,7 @@ class VLMGRPOTrainer(GRPOTrainer):
         self._compile_layers()
         # compile_cache saves what the steps compile, for the next run; gc_freeze spares the steps full collections
         self.gc_freeze = FreezeLongLived.as_configured(getattr(args, "gc_freeze", False), self.accelerator.device)
-        for callback in (self.nonfinite_guard, self.preemption, self.compile_cache, self.gc_freeze):
+        for callback in (self.nonfinite_guard, self.preemption, self.compile_cache, self.gc_freeze, self.compiled_layers):  # fmt: skip
             self.add_callback(callback)
         self.dynamic_sampler = (
             DynamicSampler(self, self._score_rollouts) if getattr(args, "dynamic_sampling", False) else None
@@ -207,7 +207,8 @@ class VLMGRPOTrainer(GRPOTrainer):
             else "sharded (FSDP1 / DeepSpeed) layers" if fsdp1 or self.is_deepspeed_enabled else None
         )  # fmt: skip
         a, unwrapped = self.args, self.accelerator.unwrap_model(self.model)
-        self.compiled_layers.attach_as_configured(unwrapped, a, blocked_by, self.compile_cache.layers_folder())
+        folder = self.compile_cache.layers_folder()
+        self.compiled_layers.attach_as_configured(unwrapped, a, blocked_by, folder, sharded=self.is_fsdp_enabled)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`, after checking this TRL can compute GRPO log-probs on this device.

@@ -1,0 +1,110 @@
+"""`vlm_grpo.engine.background_compile`: a layer found in no cache is compiled ahead of time by another process while
+it trains as written (the eager results), and the step after that process is done loads it; a process that would
+compile something else (a patch made at run time) or a layer that cannot be written is said, and the layer compiles in
+the training process."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import pytest
+import torch
+from test_compiled_layers import _assert_the_eager_loss_and_gradients, _loss_and_grads
+from test_shared_prefix import _batch, _trainer
+from torch._dynamo.utils import counters
+
+from vlm_grpo.engine import aot_layers
+from vlm_grpo.engine.aot_layers import AheadOfTime, no_marks
+
+
+@pytest.mark.trains
+def test_by_default_another_process_compiles_the_layer_while_it_trains_as_written_then_the_step_after_loads_it(
+    tiny_dir, tmp_path, fresh_dynamo
+):
+    # The defaults: ahead of time, in the background (`engine.background_compile`).
+    trainer = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", gc=True, compile_layers=True,
+                       compile_cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    inputs = _batch(trainer, "qwen2_5_vl")
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.compiled_layers.detach()
+    eager_loss, eager = _loss_and_grads(trainer, inputs)
+    trainer._compile_layers()
+    ahead = trainer.compiled_layers.ahead
+    assert ahead is not None and ahead.background is not None
+    counters.clear()
+    loss, grads = _loss_and_grads(trainer, inputs)  # the decoder layers as written while the other process compiles
+    assert len(ahead.background.pending()) == 1 and (ahead.compiled, ahead.loaded) == (0, 0)
+    assert counters["stats"]["unique_graphs"] == 1  # only the vision blocks' MLP (compiled by parts) in this process
+    _assert_the_eager_loss_and_gradients(loss, grads, eager_loss, eager)
+    decoder = [name for name in eager if ".layers." in name]
+    assert decoder
+    for name in decoder:  # as written: exactly the eager gradients (the vision MLP's compiled kernels round apart)
+        torch.testing.assert_close(grads[name], eager[name], rtol=0, atol=0, msg=name)
+    ahead.background.wait(timeout=900)
+    trainer.callback_handler.on_step_begin(trainer.args, trainer.state, trainer.control)  # the next step's start
+    assert (ahead.compiled, ahead.loaded) == (0, 1) and not ahead.background.pending()
+    counters.clear()
+    _assert_the_eager_loss_and_gradients(*_loss_and_grads(trainer, inputs), eager_loss, eager)
+    assert counters["stats"]["unique_graphs"] == 0 and ahead.compiled == 0  # loaded: no trace here
+    trainer.compiled_layers.detach()
+
+
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return 2 * x
+
+
+class _UsesAGlobal(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _double(self.linear(x))
+
+
+def test_a_layer_patched_at_run_time_is_compiled_here_not_by_a_process_without_the_patch(
+    tmp_path, monkeypatch, caplog, fresh_dynamo
+):
+    # A new process imports this module unpatched: it computes another key, so it must not compile (its function
+    # would double where this process triples).
+    monkeypatch.setattr(sys.modules[__name__], "_double", lambda x: 3 * x)
+    monkeypatch.setattr(aot_layers, "_module_globals", aot_layers._module_globals.__wrapped__)  # not cached
+    layer, x = _UsesAGlobal(), torch.randn(2, 3, 4, requires_grad=True)
+    expected = layer(x)
+    ahead = AheadOfTime(str(tmp_path), background=True)
+    out = ahead.call(layer, (x,), {}, None, no_marks, lambda: pytest.fail("not torch.compile"))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)  # as written while the other process runs
+    ahead.background.wait(timeout=600)
+    with caplog.at_level("WARNING", logger="vlm_grpo.engine.aot_layers"):
+        assert ahead.adopt() == 0
+    assert "did not compile a layer" in caplog.text and "another signature key" in caplog.text
+    out = ahead.call(layer, (x,), {}, None, no_marks, lambda: pytest.fail("not torch.compile"))
+    assert (ahead.compiled, ahead.loaded) == (1, 0) and not list(tmp_path.glob("*.job"))
+    torch.testing.assert_close(out, expected)
+
+
+def test_a_layer_that_cannot_be_written_for_another_process_is_said_and_compiled_here(tmp_path, caplog, fresh_dynamo):
+    class Local(torch.nn.Module):  # a class made at run time: another process cannot import it
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.linear(x).relu()
+
+    layer, x, calls = Local(), torch.randn(2, 3, 4, requires_grad=True), []
+    layer.forward = own = functools.partial(Local.forward, layer)  # as this package's training forward is set
+
+    def fallback():  # torch.compile: an ahead-of-time function of such a class cannot be saved either
+        calls.append(1)
+        return layer(x)
+
+    ahead = AheadOfTime(str(tmp_path), background=True)
+    with caplog.at_level("WARNING", logger="vlm_grpo.engine.aot_layers"):
+        out = ahead.call(layer, (x,), {}, None, no_marks, fallback)
+    assert "could not be written for another process" in caplog.text and "compiles in this process" in caplog.text
+    assert calls == [1] and not ahead.background.pending()
+    torch.testing.assert_close(out, layer.linear(x).relu())
+    assert vars(layer)["forward"] is own  # set aside while the layer was written, then put back
