@@ -11,11 +11,12 @@ import sys
 
 import pytest
 import torch
-from test_compiled_layers import _assert_the_eager_loss_and_gradients, _loss_and_grads
+from test_compiled_layers import _assert_the_eager_loss_and_gradients, _eager_baseline, _loss_and_grads
 from test_shared_prefix import _batch, _trainer
 from torch._dynamo.utils import counters
 
-from vlm_grpo.engine.aot_layers import AheadOfTime, signature_key
+from vlm_grpo.engine.aot_layers import AheadOfTime, ahead_of_time, signature_key
+from vlm_grpo.engine.compiled_layers import CompiledLayers
 from vlm_grpo.training.trainer import VLMGRPOConfig
 
 
@@ -35,10 +36,10 @@ def test_a_later_trainer_loads_the_saved_layer_and_gets_the_eager_gradients_with
     trainer._compile_layers()
     first = trainer.compiled_layers.ahead
     _assert_the_eager_loss_and_gradients(*_loss_and_grads(trainer, inputs), eager_loss, eager)
-    assert (first.compiled, first.loaded) == (1, 0)  # one function for both decoder layers and every length
-    assert len(glob.glob(os.path.join(trainer.compile_cache.layers_folder(), "*.aot"))) == 1
-    # A later trainer (a new AheadOfTime, Dynamo's caches empty): the decoder layer is loaded, not traced; only the
-    # vision blocks' MLP (compiled by parts) is.
+    # One function for both decoder layers and every length, one for the vision blocks' MLP (compiled by parts).
+    assert (first.compiled, first.loaded) == (2, 0)
+    assert len(glob.glob(os.path.join(trainer.compile_cache.layers_folder(), "*.aot"))) == 2
+    # A later trainer (a new AheadOfTime, Dynamo's caches empty): both are loaded, nothing is traced.
     trainer.compiled_layers.detach()
     trainer.compiled_layers.ahead = None
     torch._dynamo.reset()
@@ -47,8 +48,8 @@ def test_a_later_trainer_loads_the_saved_layer_and_gets_the_eager_gradients_with
     later = trainer.compiled_layers.ahead
     assert later is not first
     _assert_the_eager_loss_and_gradients(*_loss_and_grads(trainer, inputs), eager_loss, eager)
-    assert (later.compiled, later.loaded) == (0, 1)
-    assert counters["stats"]["unique_graphs"] == 1  # the vision MLP's
+    assert (later.compiled, later.loaded) == (0, 2)
+    assert counters["stats"]["unique_graphs"] == 0
     trainer.compiled_layers.detach()
 
 
@@ -109,12 +110,36 @@ def test_a_torn_file_is_said_and_compiled_again(tmp_path, caplog, fresh_dynamo):
     assert torch.allclose(out, layer(x)) and path.read_bytes() != b"not a compiled function"
 
 
-def test_ahead_of_time_needs_whole_layers_with_dynamic_lengths_and_the_compile_cache(tmp_path):
-    for setting in ({"compile_layers_unit": "modules"}, {"compile_layers_dynamic": "auto"}):
-        with pytest.raises(ValueError, match="compile_layers_ahead_of_time compiles whole layers"):
-            VLMGRPOConfig(output_dir=str(tmp_path), compile_layers_ahead_of_time=True, **setting)
+def test_ahead_of_time_needs_dynamic_lengths_and_the_compile_cache_and_is_on_by_default_where_it_can_be(tmp_path):
+    with pytest.raises(ValueError, match="compile_layers_ahead_of_time compiles with the lengths dynamic"):
+        VLMGRPOConfig(output_dir=str(tmp_path), compile_layers_ahead_of_time=True, compile_layers_dynamic="auto")
     with pytest.raises(ValueError, match="compile_cache_dir='none' turns off: set a folder"):
         VLMGRPOConfig(output_dir=str(tmp_path), compile_layers_ahead_of_time=True, compile_cache_dir="none")
+    on = [VLMGRPOConfig(output_dir=str(tmp_path), **setting) for setting in ({}, {"compile_layers_unit": "modules"})]
+    assert all(ahead_of_time(config) for config in on)
+    assert not ahead_of_time(on[0], sharded=True)  # FSDP2's per-layer classes cannot be saved
+    assert not ahead_of_time(VLMGRPOConfig(output_dir=str(tmp_path), compile_layers_dynamic="auto"))
+
+
+@pytest.mark.trains
+def test_attention_and_mlp_compiled_apart_are_compiled_ahead_of_time_too_with_the_eager_gradients(
+    tiny_dir, tmp_path, fresh_dynamo
+):
+    trainer = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", gc=True, compile_layers=True,
+                       compile_layers_unit="modules", compile_layers_in_background=False,
+                       compile_cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    inputs = _batch(trainer, "qwen2_5_vl")
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.compiled_layers.detach()
+    eager_loss, eager = _loss_and_grads(trainer, inputs)
+    trainer._compile_layers()
+    ahead = trainer.compiled_layers.ahead
+    counters.clear()
+    _assert_the_eager_loss_and_gradients(*_loss_and_grads(trainer, inputs), eager_loss, eager)
+    # The decoder's attention and MLP, the vision blocks' MLP: one function each, and no other graph (torch.compile's).
+    assert (ahead.compiled, ahead.loaded) == (3, 0) and counters["stats"]["unique_graphs"] == 3
+    trainer.compiled_layers.detach()
 
 
 def test_a_loaded_function_its_guards_refuse_gets_a_function_of_its_own(tmp_path, fresh_dynamo):
@@ -177,3 +202,20 @@ def test_the_key_is_the_same_in_another_process():
         torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SiLU()), (torch.zeros(2, 3, 4),), {"mask": None}
     )
     assert other == here
+
+
+@pytest.mark.trains
+def test_qwen3_5s_mlps_compiled_apart_are_compiled_ahead_of_time_once_for_every_row_count(
+    tiny_dir, tmp_path, fresh_dynamo
+):
+    # Qwen3.5 keeps its layers' parts (its prompt-cache scoring gives every attention a cache, and those calls run as
+    # written); its MLPs are called with a row per prompt, then a row per completion: one function serves both.
+    trainer, inputs, eager_loss, eager = _eager_baseline(tiny_dir, tmp_path, "qwen3_5")
+    compiled = CompiledLayers()
+    compiled.ahead = ahead = AheadOfTime(str(tmp_path / "aot"))
+    assert compiled.attach(trainer.model) > 0
+    for _ in range(2):
+        _assert_the_eager_loss_and_gradients(*_loss_and_grads(trainer, inputs), eager_loss, eager)
+    # The decoder's MLP and the vision blocks' MLP, one function each; no other graph, none in the second step.
+    assert (ahead.compiled, ahead.loaded) == (2, 0) and counters["stats"]["unique_graphs"] == 2
+    compiled.detach()

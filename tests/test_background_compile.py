@@ -34,17 +34,16 @@ def test_by_default_another_process_compiles_the_layer_while_it_trains_as_writte
     ahead = trainer.compiled_layers.ahead
     assert ahead is not None and ahead.background is not None
     counters.clear()
-    loss, grads = _loss_and_grads(trainer, inputs)  # the decoder layers as written while the other process compiles
-    assert len(ahead.background.pending()) == 1 and (ahead.compiled, ahead.loaded) == (0, 0)
-    assert counters["stats"]["unique_graphs"] == 1  # only the vision blocks' MLP (compiled by parts) in this process
-    _assert_the_eager_loss_and_gradients(loss, grads, eager_loss, eager)
-    decoder = [name for name in eager if ".layers." in name]
-    assert decoder
-    for name in decoder:  # as written: exactly the eager gradients (the vision MLP's compiled kernels round apart)
-        torch.testing.assert_close(grads[name], eager[name], rtol=0, atol=0, msg=name)
+    loss, grads = _loss_and_grads(trainer, inputs)  # as written while the other processes compile
+    # The decoder layer and the vision blocks' MLP (compiled by parts): a process each, nothing compiled here.
+    assert len(ahead.background.pending()) == 2 and (ahead.compiled, ahead.loaded) == (0, 0)
+    assert counters["stats"]["unique_graphs"] == 0
+    torch.testing.assert_close(loss, eager_loss, rtol=0, atol=0)
+    for name, grad in eager.items():  # exactly the eager gradients
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=name)
     ahead.background.wait(timeout=900)
     trainer.callback_handler.on_step_begin(trainer.args, trainer.state, trainer.control)  # the next step's start
-    assert (ahead.compiled, ahead.loaded) == (0, 1) and not ahead.background.pending()
+    assert (ahead.compiled, ahead.loaded) == (0, 2) and not ahead.background.pending()
     counters.clear()
     _assert_the_eager_loss_and_gradients(*_loss_and_grads(trainer, inputs), eager_loss, eager)
     assert counters["stats"]["unique_graphs"] == 0 and ahead.compiled == 0  # loaded: no trace here

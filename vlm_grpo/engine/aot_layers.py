@@ -1,4 +1,4 @@
-"""Whole layers' training forwards compiled ahead of time and kept on disk, so a later process skips Dynamo's trace.
+"""Layers' training forwards compiled ahead of time and kept on disk, so a later process skips Dynamo's trace.
 
 Why: with the compile cache warm (`engine.compile_cache`), a process's first step still traces every compiled frame
 with Dynamo before Inductor's code comes from the cache: on an H200 the 7B's cached first step took 11.1 s, 3.0 s of
@@ -8,9 +8,9 @@ function as torch.compile does (the training forward and backward: the same cost
 process in a fraction of a second, with no trace.
 
 What: `VLMGRPOConfig.compile_layers_ahead_of_time` (on by default where it can be, `ahead_of_time`; measured on an
-H200: the 7B's cached first step 9.3 s, and the same step time) gives each whole layer's compiled training forward
-(`engine.compiled_layers`, `compile_layers_unit="layers"`) one of these per call signature, in the compile cache's
-folder (`<compile cache dir>/<key>-layers/`, keyed by versions, GPU, architecture and settings). The function compiled
+H200: the 7B's cached first step 9.3 s, and the same step time) gives each compiled training forward (a whole layer's,
+or with `compile_layers_unit="modules"` and for models with recurrent layers an attention's or MLP's;
+`engine.compiled_layers`) one of these per call signature, in the compile cache's folder (`<compile cache dir>/<key>-layers/`, keyed by versions, GPU, architecture and settings). The function compiled
 is a module-level trampoline to the layer's class forward (transformers' class forwards are wrapped, so they cannot be
 pickled by reference); one serves every layer of a class and every length. A signature found nowhere is compiled by
 another process while the layer runs as written (`compile_layers_in_background`, `engine.background_compile`).
@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from .background_compile import BackgroundCompiles
+from .background_compile import BackgroundCompiles, aliases
 
 __all__ = ["AheadOfTime", "ahead_of_time", "compile_entry", "no_marks", "signature_key"]
 
@@ -134,16 +134,6 @@ def _structure(module: torch.nn.Module) -> str:
     return found
 
 
-def _views(value: Any) -> Any:
-    """`value` with every tensor (in tuples and lists too) replaced by a view of itself: marks for a compile go on
-    those, not on tensors other layers' calls share (a loaded function refuses a tensor marked dynamic)."""
-    if isinstance(value, torch.Tensor):
-        return value.view_as(value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_views(v) for v in value)
-    return value
-
-
 _CURRENT_SOURCE: dict[str, str | None] = {}
 
 
@@ -178,21 +168,21 @@ def no_marks(args: tuple, kwargs: dict[str, Any]) -> None:
 
 
 def ahead_of_time(config: Any, sharded: bool = False) -> bool:
-    """Whether `VLMGRPOConfig.compile_layers_ahead_of_time` is on: None (the default) where it can be, i.e. whole
-    layers with dynamic lengths and not `sharded` by FSDP2 (whose generated per-layer classes cannot be saved; True
-    there says so when saving), where the compile cache is on (the caller's `layers_folder`)."""
+    """Whether `VLMGRPOConfig.compile_layers_ahead_of_time` is on: None (the default) where it can be, i.e. with
+    dynamic lengths and not `sharded` by FSDP2 (whose generated per-layer classes cannot be saved; True there says so
+    when saving), where the compile cache is on (the caller's `layers_folder`)."""
     setting = getattr(config, "compile_layers_ahead_of_time", None)
     if setting is not None:
         return bool(setting)
-    unit, shapes = getattr(config, "compile_layers_unit", "layers"), getattr(config, "compile_layers_dynamic", "length")
-    return not sharded and unit == "layers" and shapes != "auto"
+    return not sharded and getattr(config, "compile_layers_dynamic", "length") != "auto"
 
 
 def compile_entry(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], dynamic: bool | None,
                   mark: Callable[[tuple, dict], None]) -> Any:  # fmt: skip
     """`module`'s training forward compiled ahead of time for this call: `mark` marks the dynamic sizes of views of
     the inputs (`dynamic`: torch.compile's). Raises what the compile raises (a graph break under fullgraph)."""
-    example_args, example_kwargs = _views(args), {k: _views(v) for k, v in kwargs.items()}
+    # Marks go on aliases, not on tensors other layers' calls share (a loaded function refuses a tensor marked dynamic).
+    example_args, example_kwargs = aliases(args), {k: aliases(v) for k, v in kwargs.items()}
     mark(example_args, example_kwargs)
     with warnings.catch_warnings():  # Dynamo's guards read `.grad` of the non-leaf inputs: a UserWarning
         warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")

@@ -1,12 +1,12 @@
-"""A whole layer's ahead-of-time compile run in another process while the layer trains as written, so a fresh
-machine's first step does not wait for it.
+"""A layer's (or its attention's or MLP's) ahead-of-time compile run in another process while it trains as written,
+so a fresh machine's first step does not wait for it.
 
 Why: on a fresh H200 the 7B's first step took 35.2 s, 19.4 s of it training, most of that compiling the decoder
 layer's training forward and backward (`benchmarks/results/h200-cold-start-7b-aot/`; issue #48 asks <= 30 s). The
 layer's own forward gives the eager results without that wait, and the compile needs only the layer and one call's
 inputs, which another process can have.
 
-How: at a signature's first training call (`engine.aot_layers`), the layer (weights, LoRA, training settings; not the
+How: at a signature's first training call (`engine.aot_layers`), the layer or part (weights, LoRA, training settings; not the
 training forward this package gave it) and the call's inputs (detached, `requires_grad` kept) are written
 to a file, and `python -m vlm_grpo.engine.aot_worker FILE` compiles the same function with the same dynamic
 marks, grad and autocast state and Dynamo / Inductor / functorch settings, and saves it where `AheadOfTime` looks for
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["WORKER", "BackgroundCompiles", "apply_state"]
+__all__ = ["WORKER", "BackgroundCompiles", "aliases", "apply_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +44,16 @@ _REDUCTIONS = ("allow_tf32", "allow_fp16_reduced_precision_reduction", "allow_bf
 WORKER = "vlm_grpo.engine.aot_worker"  # the module a compile process runs (`python -m`)
 
 
-def _detached(value: Any) -> Any:
-    """`value` with each tensor (in tuples and lists too) detached, its `requires_grad` kept."""
+def aliases(value: Any) -> Any:
+    """`value` with each tensor (in tuples and lists too) replaced by a detached alias (the same storage, its
+    `requires_grad` kept). What a compile's example inputs are (`aot_layers.compile_entry`), and what is written for a
+    compile process. Not views: a function compiled on a view guards its base, which a call on a tensor that is no view
+    (an MLP's input, fresh from its norm) does not have."""
     if isinstance(value, torch.Tensor):
-        copy = value.detach()
-        return copy.requires_grad_() if value.requires_grad else copy
+        alias = value.detach()
+        return alias.requires_grad_() if value.requires_grad else alias
     if isinstance(value, (tuple, list)):
-        return type(value)(_detached(v) for v in value)
+        return type(value)(aliases(v) for v in value)
     return value
 
 
@@ -154,7 +157,7 @@ class BackgroundCompiles:
         if short is not None:
             return short
         job = {"key": key, "path": path, "dynamic": dynamic, "mark": mark, "state": _state(),
-               "args": _detached(args), "kwargs": {k: _detached(v) for k, v in kwargs.items()}}  # fmt: skip
+               "args": aliases(args), "kwargs": {k: aliases(v) for k, v in kwargs.items()}}  # fmt: skip
         handle, job_file = tempfile.mkstemp(prefix="vlm-grpo-layer-", suffix=".job")
         os.close(handle)
         try:

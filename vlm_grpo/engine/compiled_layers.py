@@ -17,8 +17,8 @@ instead, the same way: one graph call a layer rather than two, its norms and res
 with recurrent layers keeps its layers' parts (its prompt-cache scoring passes every layer a cache, and such calls run
 as written), and so does a layer found with module hooks inside at a training call (transformers' output capture:
 traced, they break the graph). Its compiled code is a copy of the class forward's, so the decode step's graphs of that
-forward (`engine.regional_decode`) do not count against the training graphs' recompile limit. Whole layers can also be
-compiled ahead of time and kept for later runs (`compile_layers_ahead_of_time`, `engine.aot_layers`).
+forward (`engine.regional_decode`) do not count against the training graphs' recompile limit. By default either unit is
+compiled ahead of time, kept for later runs (`engine.aot_layers`), by another process while it runs as written.
 
 When: only with gradients on and outside any other compilation, i.e. the policy's forward in the loss and its
 recomputation, and not for a call given a KV cache (Qwen3.5's prompt-cache scoring: Dynamo would compile one graph
@@ -104,19 +104,16 @@ def unsupported_reason(model: nn.Module) -> str | None:
 # compile, the graph "auto" reaches at its first new length.
 # Sizes that meet a weight's (the hidden size, the heads) are specialised by their guards all the same, and so are
 # sizes of 0 or 1. "auto" (torch's default): a static graph first and, at the first new length, one with the sizes
-# that changed as symbols: a second compile in the middle of a run, wherever its sampled lengths first change (an
-# H100 soak: two more graphs between steps 4 and 100). On fresh H200s the 3B's first training phase (where these
+# that changed as symbols: a second compile mid-run (an H100 soak: two more graphs between steps 4 and 100). On fresh H200s the 3B's first training phase (where these
 # compile) took 17.2 s with "length", 18.6 s with "auto"; on the CPU three lengths compiled in 16.1 s against 20.9 s
-# (14.6 + 6.3). "all" (`dynamic=True`): every size a symbol from the first compile; on an H200 its code generation
-# was slow (the 3B's training layers took 78 s of a fresh first step, docs/benchmarks.md).
+# (14.6 + 6.3). "all" (`dynamic=True`): every size a symbol from the first compile (on an H200 the 3B's took 78 s).
 SHAPE_MODES = {"auto": None, "length": None, "all": True}
 
 
 # What one compiled training forward covers (`VLMGRPOConfig.compile_layers_unit`). "layers" (the default): each layer
 # with both (decoder layers, SigLIP vision layers) as one graph, its norms and residual adds fused in (Qwen-VL vision
 # blocks, whose attention reads window lengths on the host, models with recurrent layers, and layers with module hooks
-# inside keep their parts). "modules": each checkpointable layer's attention and MLP apart, two graph calls a layer,
-# its norms and residual adds eager. On an H200 (3B 2 x 8) "layers" took 0.67 s of training against 0.84 s.
+# inside keep their parts). "modules": each layer's attention and MLP apart (H200, 3B: 0.84 s of training, not 0.67).
 UNITS = ("modules", "layers")
 
 
@@ -175,7 +172,7 @@ class CompiledLayers(TrainerCallback):
         self.modules: list[nn.Module] = []
         self._said: set[str] = set()
         self._unit = "modules"
-        self.ahead: AheadOfTime | None = None  # whole layers' ahead-of-time compiled forwards (`engine.aot_layers`)
+        self.ahead: AheadOfTime | None = None  # ahead-of-time compiled training forwards (`engine.aot_layers`)
 
     def attach_as_configured(self, model: nn.Module, config: Any, blocked_by: str | None = None,
                              layers_folder: str | None = None, sharded: bool = False) -> None:  # fmt: skip
@@ -242,10 +239,14 @@ class CompiledLayers(TrainerCallback):
                 continue
             for name in names:
                 child = getattr(layer, name, None)
-                if isinstance(child, nn.Module) and "forward" not in child.__dict__:
+                # Not the linear attention ahead of time: its eager convolution and scan break the graph.
+                ahead = None if name == LINEAR_ATTENTION_CHILD else self.ahead
+                if is_training_forward(part := getattr(child, "__dict__", {}).get("forward")):
+                    part.ahead = ahead  # this call's store
+                elif isinstance(child, nn.Module) and "forward" not in child.__dict__:
                     if name == LINEAR_ATTENTION_CHILD:
                         _leave_eager(child)
-                    child.forward = _TrainingForward(child, shapes)
+                    child.forward = _TrainingForward(child, shapes, ahead=ahead)
                     self.modules.append(child)
         return len(self.modules)
 
@@ -326,13 +327,12 @@ class _TrainingForward:
         if shapes not in SHAPE_MODES:
             raise ValueError(shape_mode_error(shapes))
         self.module, self.shapes, self.whole = module, shapes, whole  # whole: a layer (`compile_layers_unit`)
-        self.ahead = ahead if whole else None  # whole layers' functions compiled ahead of time (`engine.aot_layers`)
+        self.ahead = ahead  # functions compiled ahead of time (`engine.aot_layers`)
         self.parts: list[nn.Module] = []  # a whole layer's children given forwards of their own (`_split`)
         self._inside = [m for m in module.modules() if m is not module] if whole else []
 
     def __getstate__(self) -> dict[str, Any]:
-        # Without the loaded functions (they cannot be pickled): Dynamo pickles a layer's attributes with the guards of
-        # each function it compiles ahead of time, this one among them.
+        # Without its functions (they cannot be pickled): Dynamo pickles this with an ahead-of-time function's guards.
         return {**vars(self), "ahead": None}
 
     @property
@@ -370,7 +370,7 @@ class _TrainingForward:
             for name in COMPILED_CHILDREN:
                 child = getattr(self.module, name)
                 if "forward" not in child.__dict__:
-                    child.forward = _TrainingForward(child, self.shapes)
+                    child.forward = _TrainingForward(child, self.shapes, ahead=self.ahead)
                     self.parts.append(child)
             if type(self.module).__name__ not in _SPLIT_SAID:
                 _SPLIT_SAID.add(type(self.module).__name__)

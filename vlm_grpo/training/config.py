@@ -223,16 +223,16 @@ class VLMGRPOConfig(GRPOConfig):
     )  # fmt: skip
     compile_layers_ahead_of_time: bool | None = field(
         default=None,
-        metadata={"help": "With compile_layers: compile each whole layer's training forward ahead of time (torch's "
-                  "aot_compile, the same cost as torch.compile) and keep it in the compile cache's folder, so a later "
-                  "run loads it instead of tracing it with Dynamo again (on an H200 the 7B's first step on a warm "
-                  "cache 9.3 s against 11.1 s). Anything it cannot serve falls back to torch.compile, said once. None: "
-                  "on with compile_layers_unit='layers', lengths dynamic and the compile cache on, except under FSDP. "
-                  "See vlm_grpo.engine.aot_layers."},
+        metadata={"help": "With compile_layers: compile each layer's (or attention's and MLP's) training forward ahead "
+                  "of time (torch's aot_compile, the same cost as torch.compile) and keep it in the compile cache's "
+                  "folder, so a later run loads it instead of tracing it with Dynamo again (on an H200 the 7B's first "
+                  "step on a warm cache 9.3 s against 11.1 s). Anything it cannot serve falls back to torch.compile, "
+                  "said once. None: on with lengths dynamic and the compile cache on, except under FSDP. See "
+                  "vlm_grpo.engine.aot_layers."},
     )  # fmt: skip
     compile_layers_in_background: bool = field(
         default=True,
-        metadata={"help": "With compile_layers_ahead_of_time: a layer whose compiled forward is in no cache is "
+        metadata={"help": "With compile_layers_ahead_of_time: a layer (or part) whose compiled forward is in no cache is "
                   "compiled by another process while it trains as written (the eager results), and loaded at the "
                   "first step's start after it is done, so a fresh machine's first step does not wait for the compile. "
                   "False: the first step compiles it. See vlm_grpo.engine.background_compile."},
@@ -314,11 +314,9 @@ class VLMGRPOConfig(GRPOConfig):
             raise ValueError(shape_mode_error(self.compile_layers_dynamic))
         if self.compile_layers_unit not in UNITS:
             raise ValueError(unit_error(self.compile_layers_unit))
-        if self.compile_layers_ahead_of_time and (
-            self.compile_layers_unit != "layers" or self.compile_layers_dynamic == "auto"
-        ):
-            raise ValueError("compile_layers_ahead_of_time compiles whole layers with their lengths dynamic: it needs "
-                             "compile_layers_unit='layers' and compile_layers_dynamic 'length' or 'all'.")  # fmt: skip
+        if self.compile_layers_ahead_of_time and self.compile_layers_dynamic == "auto":
+            raise ValueError("compile_layers_ahead_of_time compiles with the lengths dynamic from the first compile: it "
+                             "needs compile_layers_dynamic 'length' or 'all'.")  # fmt: skip
         if self.compile_layers_ahead_of_time and self.compile_cache_dir == "none":
             raise ValueError("compile_layers_ahead_of_time keeps what it compiles in the compile cache's folder, which "
                              "compile_cache_dir='none' turns off: set a folder (or leave it None).")  # fmt: skip
