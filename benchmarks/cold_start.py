@@ -82,7 +82,8 @@ def rows(runs: dict) -> list[dict]:
                           "generation_s": first["generation_s"], "scoring_s": first["scoring_s"],
                           "training_s": first["training_s"], "load_s": worker.get("load_s"),
                           "next_s": steps[1]["total_s"] if len(steps) > 1 else None,
-                          "waited_s": steps[1].get("background_compile_wait_s") if len(steps) > 1 else None,
+                          "waited_s": next((s["background_compile_wait_s"] for s in steps
+                                            if "background_compile_wait_s" in s), None),
                           "compiled_graphs": worker.get("compiled_graphs"),
                           "compile_s": worker.get("compile_s") or {},
                           "compile_frames": worker.get("compile_frames") or []})  # fmt: skip

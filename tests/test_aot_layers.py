@@ -174,6 +174,23 @@ def test_a_file_compiled_from_other_sources_is_said_and_compiled_again(tmp_path,
     assert (later.loaded, later.compiled) == (0, 1) and torch.allclose(out, layer(x))
 
 
+def test_a_file_inlining_a_module_edited_while_this_process_runs_is_compiled_again(
+    tmp_path, caplog, monkeypatch, fresh_dynamo
+):
+    # A new process (or a later run) would read the edited file; this process runs what it imported before the edit.
+    from vlm_grpo.engine import aot_layers
+
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SiLU())
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    AheadOfTime(str(tmp_path)).call(layer, (x,), {}, None, lambda *_: None, lambda: pytest.fail("fell back"))
+    monkeypatch.setattr(aot_layers, "_CURRENT_SOURCE", {})
+    monkeypatch.setattr(aot_layers, "_STARTED", 0.0)  # every file now reads as changed after this process started
+    later = AheadOfTime(str(tmp_path))
+    with caplog.at_level("WARNING", logger="vlm_grpo.engine.aot_layers"):
+        later.call(layer, (x,), {}, None, lambda *_: None, lambda: pytest.fail("fell back"))
+    assert "compiled from another version of" in caplog.text and (later.loaded, later.compiled) == (0, 1)
+
+
 def test_a_function_patched_into_a_layers_module_changes_the_key(monkeypatch):
     from vlm_grpo.engine.aot_layers import _module_globals
 

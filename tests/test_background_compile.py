@@ -6,7 +6,10 @@ the training process."""
 from __future__ import annotations
 
 import functools
+import glob
+import os
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -14,7 +17,7 @@ from test_compiled_layers import _assert_the_eager_loss_and_gradients, _loss_and
 from test_shared_prefix import _batch, _trainer
 from torch._dynamo.utils import counters
 
-from vlm_grpo.engine import aot_layers
+from vlm_grpo.engine import aot_layers, background_compile
 from vlm_grpo.engine.aot_layers import AheadOfTime, no_marks
 
 
@@ -107,3 +110,53 @@ def test_a_layer_that_cannot_be_written_for_another_process_is_said_and_compiled
     assert calls == [1] and not ahead.background.pending()
     torch.testing.assert_close(out, layer.linear(x).relu())
     assert vars(layer)["forward"] is own  # set aside while the layer was written, then put back
+
+
+def test_a_process_that_cannot_start_is_said_and_leaves_no_copy_of_the_layer(tmp_path, caplog, fresh_dynamo):
+    (tmp_path / "file").write_text("")  # where the function's folder would be: it cannot be made
+    layer, x = _UsesAGlobal(), torch.randn(2, 3, 4, requires_grad=True)
+    ahead = AheadOfTime(str(tmp_path / "file" / "aot"), background=True)
+    jobs = set(glob.glob(os.path.join(tempfile.gettempdir(), "vlm-grpo-layer-*.job")))
+    with caplog.at_level("WARNING", logger="vlm_grpo.engine.aot_layers"):
+        out = ahead.call(layer, (x,), {}, None, no_marks, lambda: layer(x))  # compiled here, its file not saved
+    assert "another process could not be started" in caplog.text and not ahead.background.pending()
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "vlm-grpo-layer-*.job"))) == jobs
+    torch.testing.assert_close(out, layer(x))
+
+
+def test_global_state_a_process_cannot_take_is_said_and_compiled_here(tmp_path, monkeypatch, caplog, fresh_dynamo):
+    # The process would compile a function whose guards refuse every call of this process: it refuses instead.
+    monkeypatch.setattr(background_compile, "_DEVICE_TYPES", ("cuda",))  # the CPU's autocast is not sent
+    layer, x = _UsesAGlobal(), torch.randn(2, 3, 4, requires_grad=True)
+    ahead = AheadOfTime(str(tmp_path), background=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ahead.call(layer, (x,), {}, None, no_marks, lambda: pytest.fail("not torch.compile"))
+        ahead.background.wait()
+        with caplog.at_level("WARNING", logger="vlm_grpo.engine.aot_layers"):
+            assert ahead.adopt() == 0
+        assert "cannot take the trainer's guarded global state (autocast_state differ)" in caplog.text
+        out = ahead.call(layer, (x,), {}, None, no_marks, lambda: pytest.fail("not torch.compile"))
+        assert (ahead.compiled, ahead.loaded) == (1, 0)
+        torch.testing.assert_close(out, layer(x))
+
+
+def test_a_process_past_its_deadline_is_stopped_and_its_layer_compiled_here(tmp_path, monkeypatch, caplog):
+    layer, x = _UsesAGlobal(), torch.randn(2, 3, 4, requires_grad=True)
+    ahead = AheadOfTime(str(tmp_path), background=True)
+    ahead.call(layer, (x,), {}, None, no_marks, lambda: pytest.fail("not torch.compile"))
+    (running,) = ahead.background._running.values()
+    monkeypatch.setattr(background_compile, "DEADLINE_S", 0.0)
+    with caplog.at_level("WARNING", logger="vlm_grpo.engine.aot_layers"):
+        assert ahead.adopt() == 0
+    assert "still compiling after 0 s, stopped" in caplog.text and running.process.returncode is not None
+    assert not os.path.exists(running.job_file)
+
+
+def test_processes_still_running_are_stopped_with_their_files(tmp_path):
+    layer, x = _UsesAGlobal(), torch.randn(2, 3, 4, requires_grad=True)
+    ahead = AheadOfTime(str(tmp_path), background=True)
+    ahead.call(layer, (x,), {}, None, no_marks, lambda: pytest.fail("not torch.compile"))
+    (running,) = ahead.background._running.values()
+    ahead.background.stop()  # what this process's exit does
+    assert running.process.returncode is not None and not ahead.background.pending()
+    assert not os.path.exists(running.job_file) and not os.path.exists(running.log_file)

@@ -37,7 +37,8 @@ _RUN = textwrap.dedent(
     model, processor = FastVisionModel.from_pretrained(tiny, full_finetuning=True)
     args = VLMGRPOConfig(output_dir=out, per_device_train_batch_size=4, num_generations=2, max_completion_length=2,
                          max_steps=1, save_strategy="steps", save_steps=1, report_to="none", use_cpu=True,
-                         disable_tqdm=True, compile_layers=True, compile_cache_dir=cache)
+                         disable_tqdm=True, compile_layers=True, compile_layers_ahead_of_time=False,
+                         compile_cache_dir=cache)  # torch.compile's layers: ahead of time keeps its own files
     trainer = VLMGRPOTrainer(model, [make_choice_reward(answer_words("color", 1))], args=args,
                              train_dataset=make_visual_reasoning_dataset("color", 8), processing_class=processor)
     trainer.train()

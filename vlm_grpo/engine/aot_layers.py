@@ -35,6 +35,7 @@ import inspect
 import logging
 import os
 import sys
+import time
 import types
 import warnings
 import weakref
@@ -45,7 +46,7 @@ import torch
 
 from .background_compile import BackgroundCompiles, aliases
 
-__all__ = ["AheadOfTime", "ahead_of_time", "compile_entry", "no_marks", "signature_key"]
+__all__ = ["AheadOfTime", "ahead_of_time", "compile_entry", "in_background", "no_marks", "signature_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,12 @@ def _describe(value: Any) -> Any:
 def _code_bytes(code: types.CodeType) -> bytes:
     """`code`'s bytecode, names and constants, nested code objects (comprehensions, lambdas) by their own content:
     their `repr` holds a memory address, which would give every process another key."""
-    consts = b"".join(_code_bytes(c) if isinstance(c, types.CodeType) else repr(c).encode() for c in code.co_consts)
+    consts = b"".join(
+        _code_bytes(c) if isinstance(c, types.CodeType)
+        else repr(sorted(c, key=repr)).encode() if isinstance(c, frozenset)  # `x in {...}`: its order is the hash seed's
+        else repr(c).encode()
+        for c in code.co_consts
+    )  # fmt: skip
     return code.co_code + repr(code.co_names).encode() + consts
 
 
@@ -137,16 +143,40 @@ def _structure(module: torch.nn.Module) -> str:
 _CURRENT_SOURCE: dict[str, str | None] = {}
 
 
+def _process_start() -> float:
+    """When this process started (Linux: /proc), else now."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, `starttime`, in clock ticks since boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+_STARTED = _process_start()
+
+
+def _source(name: str) -> str | None:
+    """The source of module `name` as this process runs it, as far as can be told: its file, unless the file changed
+    after this process started (then this process may run older code than the file holds: None)."""
+    module = sys.modules.get(name)
+    try:
+        if module is None or os.path.getmtime(inspect.getsourcefile(module) or "") > _STARTED:
+            return None
+        return inspect.getsource(module)
+    except (OSError, TypeError):
+        return None
+
+
 def _stale(entry: Any) -> str | None:
-    """The first Python module whose source changed since `entry` was compiled from it (an editable install, a
-    patched file), or None. Its inlined code would run as it was: torch records each module's source with it."""
+    """The first Python module whose source differs from what `entry` was compiled from (an editable install, a
+    patched file, a file edited while this process runs), or None. Its inlined code would run as it was: torch records
+    each module's source with it."""
     for inlined in entry.source_info().inlined_sources:
         if inlined.module not in _CURRENT_SOURCE:
-            module = sys.modules.get(inlined.module)
-            try:
-                _CURRENT_SOURCE[inlined.module] = inspect.getsource(module) if module is not None else None
-            except (OSError, TypeError):
-                _CURRENT_SOURCE[inlined.module] = None
+            _CURRENT_SOURCE[inlined.module] = _source(inlined.module)
         if _CURRENT_SOURCE[inlined.module] != inlined.content:
             return inlined.module
     return None
@@ -175,6 +205,19 @@ def ahead_of_time(config: Any, sharded: bool = False) -> bool:
     if setting is not None:
         return bool(setting)
     return not sharded and getattr(config, "compile_layers_dynamic", "length") != "auto"
+
+
+def in_background(config: Any) -> bool:
+    """Whether `VLMGRPOConfig.compile_layers_in_background` applies: not with `full_determinism` or deterministic
+    algorithms on (said), where two runs with one seed must match: the step at which a compiled function takes over
+    from the layer as written depends on timing, and their kernels round apart."""
+    if not getattr(config, "compile_layers_in_background", True):
+        return False
+    if getattr(config, "full_determinism", False) or torch.are_deterministic_algorithms_enabled():
+        logger.info("compile_layers_in_background: off with deterministic algorithms (when a compiled layer takes "
+                    "over would depend on timing); the first step compiles the layers.")  # fmt: skip
+        return False
+    return True
 
 
 def compile_entry(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], dynamic: bool | None,

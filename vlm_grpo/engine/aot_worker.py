@@ -2,8 +2,8 @@
 job's layer ahead of time (`engine.aot_layers.compile_entry`) and saves it where the trainer's process looks for it.
 
 Exit status 0: saved. 2: this process computes another signature key than the trainer's (a patch or setting the
-trainer's process made at run time that a new process does not have), so nothing is compiled and the trainer compiles
-the layer itself. Anything else: the compile failed (its last line says why; the trainer logs it).
+trainer's process made at run time that a new process does not have), or cannot take the global state the trainer's
+compiled functions are guarded on, so nothing is compiled and the trainer compiles the layer itself. Anything else: the compile failed (its last line says why; the trainer logs it).
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ def compile_job(job_file: str) -> int:
     job = torch.load(job_file, weights_only=False)  # our own file, written by the trainer's process just now
     with contextlib.suppress(OSError):
         os.remove(job_file)
-    apply_state(job["state"])
+    differs = apply_state(job["state"])
+    if differs is not None:  # its function's guards would refuse every call of the trainer's
+        print(f"this process cannot take the trainer's guarded global state ({differs} differ)", flush=True)
+        return 2
     module, args, kwargs = job["module"], job["args"], job["kwargs"]
     key = signature_key(module, args, kwargs)
     if key != job["key"]:

@@ -22,25 +22,28 @@ layer compiles in the training process, as without this.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import subprocess
 import sys
 import tempfile
+import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["WORKER", "BackgroundCompiles", "aliases", "apply_state"]
+__all__ = ["DEADLINE_S", "WORKER", "BackgroundCompiles", "aliases", "apply_state"]
 
 logger = logging.getLogger(__name__)
 
 _CONFIGS = ("torch._dynamo.config", "torch._inductor.config", "torch._functorch.config")
 _DEVICE_TYPES = ("cpu", "cuda")
 # Global state Dynamo's guards check besides grad mode, autocast, dtype and determinism (its `GLOBAL_STATE` guard).
-_REDUCTIONS = ("allow_tf32", "allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction")
+_REDUCTIONS = ("allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction")
 WORKER = "vlm_grpo.engine.aot_worker"  # the module a compile process runs (`python -m`)
 
 
@@ -82,41 +85,81 @@ def _writable(module: torch.nn.Module) -> Iterator[None]:
             m.forward = forward
 
 
+# The fp32 precision settings (torch's newer API; reading the legacy `allow_tf32` after the newer one was set raises),
+# the general one first: setting it resets the others.
+_PRECISIONS = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul", "mkldnn.conv",
+               "mkldnn.rnn")  # fmt: skip
+
+
+def _backend(path: str) -> Any:
+    owner = torch.backends
+    for part in filter(None, path.split(".")):
+        owner = getattr(owner, part)
+    return owner
+
+
+def _global_state() -> str:
+    """What Dynamo's `GLOBAL_STATE` guard checks (grad mode, autocast, determinism, threads, tf32 and reduced-precision
+    reductions, default dtype, torch-function modes), as torch serialises it."""
+    from torch._C._dynamo.guards import GlobalStateGuard
+
+    return GlobalStateGuard().__getstate__()
+
+
 def _state() -> dict[str, Any]:
     """What a compile reads besides the layer and its inputs: the global state a compiled function's guards check
-    (Dynamo's `GLOBAL_STATE`: autocast, determinism, threads, reduced-precision reductions, default dtype) and the
-    compilers' settings (those torch calls portable)."""
+    (`_global_state`, also sent whole so the compile process can check it holds the same) and the compilers' settings
+    (those torch calls portable)."""
     configs = {}
     for name in _CONFIGS:
         with contextlib.suppress(Exception):  # an older torch without portable settings: the new process's defaults
             configs[name] = sys.modules[name].save_config_portable() if name in sys.modules else None
+    precisions = {}
+    for path in _PRECISIONS:
+        with contextlib.suppress(AttributeError):  # an older torch: the guard check below says what differs
+            precisions[path] = _backend(path).fp32_precision
     return {
         "autocast": [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _DEVICE_TYPES],
-        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "autocast_cache": torch.is_autocast_cache_enabled(),
+        "deterministic": (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ),
         "threads": torch.get_num_threads(),
         "reductions": {name: getattr(torch.backends.cuda.matmul, name) for name in _REDUCTIONS},
+        "precisions": precisions,
         "default_dtype": torch.get_default_dtype(),
-        "matmul_precision": torch.get_float32_matmul_precision(),
         "configs": configs,
+        "global_state": _global_state(),
     }
 
 
-def apply_state(state: dict[str, Any]) -> None:
-    """In a compile process: the trainer's process's state and settings (`_state`)."""
+def apply_state(state: dict[str, Any]) -> str | None:
+    """In a compile process: the trainer's process's state and settings (`_state`); returns what of the guarded global
+    state still differs (None: nothing), so that the process refuses instead of compiling a function whose guards
+    refuse every call."""
     import importlib
+    import json
 
     for device_type, enabled, dtype in state["autocast"]:
         torch.set_autocast_enabled(device_type, enabled)
         torch.set_autocast_dtype(device_type, dtype)
-    torch.use_deterministic_algorithms(state["deterministic"])
+    torch.set_autocast_cache_enabled(state["autocast_cache"])
+    deterministic, warn_only = state["deterministic"]
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
     torch.set_num_threads(state["threads"])
     for name, value in state["reductions"].items():
         setattr(torch.backends.cuda.matmul, name, value)
+    for path, value in state["precisions"].items():
+        with contextlib.suppress(AttributeError):
+            _backend(path).fp32_precision = value
     torch.set_default_dtype(state["default_dtype"])
-    torch.set_float32_matmul_precision(state["matmul_precision"])
     for name, config in state["configs"].items():
         if config is not None:
             importlib.import_module(name).load_config(config)
+    theirs, ours = json.loads(state["global_state"]), json.loads(_global_state())
+    differ = sorted(key for key in theirs.keys() | ours.keys() if theirs.get(key) != ours.get(key))
+    return ", ".join(differ) if differ else None
 
 
 _PROCESS_BYTES = 2**30  # a CUDA context, the compiler's workspace and benchmarks: about 0.5-1 GiB
@@ -136,7 +179,8 @@ def _short_of_gpu_memory(module: torch.nn.Module, args: tuple, kwargs: dict[str,
     tensors = [*module.parameters(), *module.buffers(), *_tensors(args), *_tensors(list(kwargs.values()))]
     devices = {t.device for t in tensors if t.device.type == "cuda"}
     for device in devices:
-        needed = _PROCESS_BYTES + sum(t.numel() * t.element_size() for t in tensors if t.device == device)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.device == device}
+        needed = _PROCESS_BYTES + sum(storages.values())  # what is written (whole storages) and read back there
         free = torch.cuda.mem_get_info(device)[0]
         if needed > free / 4:
             return (f"another process would take {needed / 2**30:.1f} GiB of the {free / 2**30:.1f} GiB free on "
@@ -144,66 +188,110 @@ def _short_of_gpu_memory(module: torch.nn.Module, args: tuple, kwargs: dict[str,
     return None
 
 
+DEADLINE_S = 900.0  # a compile process still running after this is stopped, and its layer compiled in the trainer
+
+
+class _Process:
+    def __init__(self, process: subprocess.Popen, job_file: str, log_file: str) -> None:
+        self.process, self.job_file, self.log_file = process, job_file, log_file
+        self.started = time.monotonic()
+
+    def remove_files(self, log: bool = True) -> None:
+        for path in (self.job_file, self.log_file) if log else (self.job_file,):
+            with contextlib.suppress(OSError):
+                os.remove(path)
+
+    def last_line(self) -> str:
+        try:
+            with open(self.log_file) as f:
+                lines = [line.strip() for line in f if line.strip()]
+        except OSError:
+            lines = []
+        return lines[-1][:300] if lines else "no output"
+
+
 class BackgroundCompiles:
-    """The compile processes started by one `AheadOfTime`, by signature key."""
+    """The compile processes started by one `AheadOfTime`, by signature key. Those still running when this process
+    exits are stopped (each holds a CUDA context and a copy of its layer)."""
 
     def __init__(self) -> None:
-        self._running: dict[str, tuple[subprocess.Popen, str, str]] = {}  # key -> (process, job file, log file)
+        self._running: dict[str, _Process] = {}
+        atexit.register(_stop_all, weakref.ref(self))
 
     def start(self, key: str, path: str, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any],
               dynamic: bool | None, mark: Callable[[tuple, dict], None]) -> str | None:  # fmt: skip
-        """Start compiling `module`'s training forward for this call into `path`; None when started, else why not."""
-        short = _short_of_gpu_memory(module, args, kwargs)
-        if short is not None:
-            return short
-        job = {"key": key, "path": path, "dynamic": dynamic, "mark": mark, "state": _state(),
-               "args": aliases(args), "kwargs": {k: aliases(v) for k, v in kwargs.items()}}  # fmt: skip
-        handle, job_file = tempfile.mkstemp(prefix="vlm-grpo-layer-", suffix=".job")
-        os.close(handle)
+        """Start compiling `module`'s training forward for this call into `path`; None when started, else why not
+        (whatever fails here is a reason, never the training step's error)."""
+        job_file, process = None, None
         try:
-            with _writable(module):
-                torch.save({**job, "module": module}, job_file)
-        except Exception as error:  # noqa: BLE001 (a class made at run time, an unpicklable setting)
-            os.remove(job_file)
-            return f"the layer could not be written for another process ({type(error).__name__}: {error})"
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        log_file = f"{path}.log"
-        # The new process imports what this one does, from where this one does.
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        with open(log_file, "w") as log:
-            process = subprocess.Popen([sys.executable, "-m", WORKER, job_file], stdout=log,
-                                       stderr=subprocess.STDOUT, env=env, cwd=os.getcwd())  # fmt: skip
-        self._running[key] = (process, job_file, log_file)
+            short = _short_of_gpu_memory(module, args, kwargs)
+            if short is not None:
+                return short
+            job = {"key": key, "path": path, "dynamic": dynamic, "mark": mark, "state": _state(),
+                   "args": aliases(args), "kwargs": {k: aliases(v) for k, v in kwargs.items()}}  # fmt: skip
+            handle, job_file = tempfile.mkstemp(prefix="vlm-grpo-layer-", suffix=".job")
+            os.close(handle)
+            try:
+                with _writable(module):
+                    torch.save({**job, "module": module}, job_file)
+            except Exception as error:  # noqa: BLE001 (a class made at run time, an unpicklable setting)
+                return f"the layer could not be written for another process ({type(error).__name__}: {error})"
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            log_file = f"{path}.{os.getpid()}.log"  # one per process: ranks with one key do not share it
+            # The new process imports what this one does, from where this one does.
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+            with open(log_file, "w") as log:
+                process = subprocess.Popen([sys.executable, "-m", WORKER, job_file], stdout=log,
+                                           stderr=subprocess.STDOUT, env=env)  # fmt: skip
+        except Exception as error:  # noqa: BLE001 (a full disk, a read-only cache folder, no more processes)
+            return f"another process could not be started ({type(error).__name__}: {error})"
+        finally:
+            if process is None and job_file is not None:  # not started: its copy of the layer goes
+                with contextlib.suppress(OSError):
+                    os.remove(job_file)
+        self._running[key] = _Process(process, job_file, log_file)
         return None
 
     def pending(self) -> set[str]:
         """The keys whose process has not finished."""
-        return {key for key, (process, _, _) in self._running.items() if process.poll() is None}
+        return {key for key, p in self._running.items() if p.process.poll() is None}
 
     def finished(self) -> list[tuple[str, str | None]]:
         """`(key, None)` for each process that saved its function since the last call, `(key, why not)` for each that
-        failed."""
+        failed or ran past `DEADLINE_S` (stopped)."""
         done = []
-        for key, (process, job_file, log_file) in list(self._running.items()):
-            if process.poll() is None:
-                continue
-            del self._running[key]
-            with contextlib.suppress(OSError):
-                os.remove(job_file)
-            if process.returncode == 0:
-                with contextlib.suppress(OSError):
-                    os.remove(log_file)  # kept only to say why a process failed
+        for key, p in list(self._running.items()):
+            if p.process.poll() is None:
+                if time.monotonic() - p.started < DEADLINE_S:
+                    continue
+                p.process.kill()
+                p.process.wait()
+                done.append((key, f"still compiling after {DEADLINE_S:.0f} s, stopped"))
+            elif p.process.returncode == 0:
                 done.append((key, None))
-                continue
-            try:
-                with open(log_file) as f:
-                    last = [line.strip() for line in f if line.strip()][-1:]
-            except OSError:
-                last = []
-            done.append((key, f"exit status {process.returncode}: {last[0][:300] if last else 'no output'}"))
+            else:
+                done.append((key, f"exit status {p.process.returncode}: {p.last_line()}"))
+            del self._running[key]
+            p.remove_files(log=done[-1][1] is None)  # a failed process's log stays: it says why
         return done
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Wait for every running process (tests; a trainer never waits)."""
-        for process, _, _ in self._running.values():
-            process.wait(timeout)
+    def wait(self, timeout: float | None = DEADLINE_S) -> None:
+        """Wait for every running process (benchmarks and tests; a trainer never waits)."""
+        for p in self._running.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.process.wait(timeout)
+
+    def stop(self) -> None:
+        """Stop the processes still running and remove their files."""
+        for p in self._running.values():
+            if p.process.poll() is None:
+                p.process.kill()
+                p.process.wait()
+            p.remove_files()
+        self._running.clear()
+
+
+def _stop_all(ref: weakref.ReferenceType) -> None:
+    compiles = ref()
+    if compiles is not None:
+        compiles.stop()

@@ -57,7 +57,7 @@ from transformers import TrainerCallback
 from ..families import core_model
 from ..integrations.unsloth import uses_unsloth
 from ..models.modes import checkpointing_mode
-from .aot_layers import AheadOfTime, ahead_of_time, no_marks
+from .aot_layers import AheadOfTime, ahead_of_time, in_background, no_marks
 from .prefix_cache import serves
 from .quantized_generation import is_quantized_linear
 
@@ -197,7 +197,7 @@ class CompiledLayers(TrainerCallback):
             return
         before = len(self.modules)
         if ahead_of_time(config, sharded) and layers_folder is not None:
-            background = getattr(config, "compile_layers_in_background", True)
+            background = in_background(config)
             if self.ahead is None or (self.ahead.folder, bool(self.ahead.background)) != (layers_folder, background):
                 self.ahead = AheadOfTime(layers_folder, background)
         else:
