@@ -292,6 +292,9 @@ def run_worker(args) -> None:
               "params": sum(p.numel() for p in trainer.model.parameters()),
               "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"], "compile_s": compile_seconds(),
               "compile_frames": compile_frames(),  # which graph a first step's compile went to (issue #48)
+              # Ahead-of-time functions loaded (from a cache or a compile process) and compiled in this process.
+              "ahead_of_time": {k: getattr(getattr(getattr(trainer, "compiled_layers", None), "ahead", None), k, None)
+                                for k in ("loaded", "compiled")},
               "fast_generation": dict(getattr(getattr(trainer, "fast_generator", None), "stats", {})),
               "quantized_generation": (trainer.fast_generator.describe_quantized()
                                        if hasattr(trainer, "fast_generator") else {}),
