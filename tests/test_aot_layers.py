@@ -1,10 +1,10 @@
-"""`vlm_grpo.engine.aot_layers`: whole layers' training forwards compiled ahead of time, saved, and loaded by a later
-trainer with no Dynamo trace, giving the eager gradients; a signature's key covers what a loaded function's dropped
-guards would have checked; whatever it cannot serve falls back to torch.compile, said once."""
+"""`vlm_grpo.engine.aot_layers`: layers' training forwards compiled ahead of time, saved, and loaded by a later
+trainer with no Dynamo trace (a trainer loads them in `tests/test_background_compile.py`), giving the eager gradients;
+a signature's key covers what a loaded function's dropped guards would have checked; whatever it cannot serve falls
+back to torch.compile, said once."""
 
 from __future__ import annotations
 
-import glob
 import os
 import subprocess
 import sys
@@ -12,45 +12,11 @@ import sys
 import pytest
 import torch
 from test_compiled_layers import _assert_the_eager_loss_and_gradients, _eager_baseline, _loss_and_grads
-from test_shared_prefix import _batch, _trainer
 from torch._dynamo.utils import counters
 
 from vlm_grpo.engine.aot_layers import AheadOfTime, ahead_of_time, signature_key
 from vlm_grpo.engine.compiled_layers import CompiledLayers
 from vlm_grpo.training.trainer import VLMGRPOConfig
-
-
-@pytest.mark.trains
-def test_a_later_trainer_loads_the_saved_layer_and_gets_the_eager_gradients_without_tracing_it(
-    tiny_dir, tmp_path, fresh_dynamo
-):
-    cache = str(tmp_path / "cache")
-    trainer = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", gc=True, compile_layers=True,
-                       compile_layers_ahead_of_time=True, compile_layers_in_background=False,
-                       compile_cache_dir=cache)  # fmt: skip
-    inputs = _batch(trainer, "qwen2_5_vl")
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    trainer.compiled_layers.detach()
-    eager_loss, eager = _loss_and_grads(trainer, inputs)
-    trainer._compile_layers()
-    first = trainer.compiled_layers.ahead
-    _assert_the_eager_loss_and_gradients(*_loss_and_grads(trainer, inputs), eager_loss, eager)
-    # One function for both decoder layers and every length, one for the vision blocks' MLP (compiled by parts).
-    assert (first.compiled, first.loaded) == (2, 0)
-    assert len(glob.glob(os.path.join(trainer.compile_cache.layers_folder(), "*.aot"))) == 2
-    # A later trainer (a new AheadOfTime, Dynamo's caches empty): both are loaded, nothing is traced.
-    trainer.compiled_layers.detach()
-    trainer.compiled_layers.ahead = None
-    torch._dynamo.reset()
-    counters.clear()
-    trainer._compile_layers()
-    later = trainer.compiled_layers.ahead
-    assert later is not first
-    _assert_the_eager_loss_and_gradients(*_loss_and_grads(trainer, inputs), eager_loss, eager)
-    assert (later.compiled, later.loaded) == (0, 2)
-    assert counters["stats"]["unique_graphs"] == 0
-    trainer.compiled_layers.detach()
 
 
 def test_the_key_covers_what_a_loaded_functions_dropped_guards_would_have_checked():
@@ -119,27 +85,6 @@ def test_ahead_of_time_needs_dynamic_lengths_and_the_compile_cache_and_is_on_by_
     assert all(ahead_of_time(config) for config in on)
     assert not ahead_of_time(on[0], sharded=True)  # FSDP2's per-layer classes cannot be saved
     assert not ahead_of_time(VLMGRPOConfig(output_dir=str(tmp_path), compile_layers_dynamic="auto"))
-
-
-@pytest.mark.trains
-def test_attention_and_mlp_compiled_apart_are_compiled_ahead_of_time_too_with_the_eager_gradients(
-    tiny_dir, tmp_path, fresh_dynamo
-):
-    trainer = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", gc=True, compile_layers=True,
-                       compile_layers_unit="modules", compile_layers_in_background=False,
-                       compile_cache_dir=str(tmp_path / "cache"))  # fmt: skip
-    inputs = _batch(trainer, "qwen2_5_vl")
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    trainer.compiled_layers.detach()
-    eager_loss, eager = _loss_and_grads(trainer, inputs)
-    trainer._compile_layers()
-    ahead = trainer.compiled_layers.ahead
-    counters.clear()
-    _assert_the_eager_loss_and_gradients(*_loss_and_grads(trainer, inputs), eager_loss, eager)
-    # The decoder's attention and MLP, the vision blocks' MLP: one function each, and no other graph (torch.compile's).
-    assert (ahead.compiled, ahead.loaded) == (3, 0) and counters["stats"]["unique_graphs"] == 3
-    trainer.compiled_layers.detach()
 
 
 def test_a_loaded_function_its_guards_refuse_gets_a_function_of_its_own(tmp_path, fresh_dynamo):
@@ -225,8 +170,10 @@ def test_the_key_is_the_same_in_another_process():
 def test_qwen3_5s_mlps_compiled_apart_are_compiled_ahead_of_time_once_for_every_row_count(
     tiny_dir, tmp_path, fresh_dynamo
 ):
-    # Qwen3.5 keeps its layers' parts (its prompt-cache scoring gives every attention a cache, and those calls run as
-    # written); its MLPs are called with a row per prompt, then a row per completion: one function serves both.
+    # Parts are compiled ahead of time too. Qwen3.5 keeps its layers' parts (its prompt-cache scoring gives every
+    # attention a cache, and those calls run as written); its MLPs are called with a row per prompt, then a row per
+    # completion: one function serves both. (A function compiled on views guarded their base: a fresh MLP input has
+    # none, and every call was refused.)
     trainer, inputs, eager_loss, eager = _eager_baseline(tiny_dir, tmp_path, "qwen3_5")
     compiled = CompiledLayers()
     compiled.ahead = ahead = AheadOfTime(str(tmp_path / "aot"))

@@ -22,7 +22,7 @@ from vlm_grpo.engine.aot_layers import AheadOfTime, no_marks
 
 
 @pytest.mark.trains
-def test_by_default_another_process_compiles_the_layer_while_it_trains_as_written_then_the_step_after_loads_it(
+def test_by_default_another_process_compiles_the_layer_while_it_trains_as_written_the_next_step_and_run_load_it(
     tiny_dir, tmp_path, fresh_dynamo
 ):
     # The defaults: ahead of time, in the background (`engine.background_compile`).
@@ -50,6 +50,19 @@ def test_by_default_another_process_compiles_the_layer_while_it_trains_as_writte
     counters.clear()
     _assert_the_eager_loss_and_gradients(*_loss_and_grads(trainer, inputs), eager_loss, eager)
     assert counters["stats"]["unique_graphs"] == 0 and ahead.compiled == 0  # loaded: no trace here
+    folder = trainer.compile_cache.layers_folder()
+    assert len(glob.glob(os.path.join(folder, "*.aot"))) == 2 and not glob.glob(os.path.join(folder, "*.log"))
+    # A later trainer (a new AheadOfTime, Dynamo's caches empty): both are loaded from the cache, nothing is traced.
+    trainer.compiled_layers.detach()
+    trainer.compiled_layers.ahead = None
+    torch._dynamo.reset()
+    counters.clear()
+    trainer._compile_layers()
+    later = trainer.compiled_layers.ahead
+    assert later is not ahead
+    _assert_the_eager_loss_and_gradients(*_loss_and_grads(trainer, inputs), eager_loss, eager)
+    assert (later.compiled, later.loaded) == (0, 2) and not later.background.pending()
+    assert counters["stats"]["unique_graphs"] == 0
     trainer.compiled_layers.detach()
 
 
