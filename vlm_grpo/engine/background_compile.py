@@ -98,12 +98,15 @@ def _backend(path: str) -> Any:
     return owner
 
 
-def _global_state() -> str:
+def _global_state() -> str | None:
     """What Dynamo's `GLOBAL_STATE` guard checks (grad mode, autocast, determinism, threads, tf32 and reduced-precision
-    reductions, default dtype, torch-function modes), as torch serialises it."""
-    from torch._C._dynamo.guards import GlobalStateGuard
+    reductions, default dtype, torch-function modes), as torch serialises it (None: a torch that does not)."""
+    try:
+        from torch._C._dynamo.guards import GlobalStateGuard
 
-    return GlobalStateGuard().__getstate__()
+        return GlobalStateGuard().__getstate__()
+    except (ImportError, AttributeError):
+        return None
 
 
 def _state() -> dict[str, Any]:
@@ -157,7 +160,10 @@ def apply_state(state: dict[str, Any]) -> str | None:
     for name, config in state["configs"].items():
         if config is not None:
             importlib.import_module(name).load_config(config)
-    theirs, ours = json.loads(state["global_state"]), json.loads(_global_state())
+    mine = _global_state()
+    if state["global_state"] is None or mine is None:  # not comparable: a refused call compiles in the trainer
+        return None
+    theirs, ours = json.loads(state["global_state"]), json.loads(mine)
     differ = sorted(key for key in theirs.keys() | ours.keys() if theirs.get(key) != ours.get(key))
     return ", ".join(differ) if differ else None
 
