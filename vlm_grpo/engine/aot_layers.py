@@ -10,8 +10,9 @@ process in a fraction of a second, with no trace.
 What: `VLMGRPOConfig.compile_layers_ahead_of_time` (on by default where it can be, `ahead_of_time`; measured on an
 H200: the 7B's cached first step 9.3 s, and the same step time) gives each compiled training forward (a whole layer's,
 or with `compile_layers_unit="modules"` and for models with recurrent layers an attention's or MLP's;
-`engine.compiled_layers`) one of these per call signature, in the compile cache's folder (`<compile cache dir>/<key>-layers/`, keyed by versions, GPU, architecture and settings). The function compiled
-is a module-level trampoline to the layer's class forward (transformers' class forwards are wrapped, so they cannot be
+`engine.compiled_layers`) one of these per call signature, in the compile cache's folder
+(`<compile cache dir>/<key>-layers/`, keyed by versions, GPU, architecture and settings). The function compiled is a
+module-level trampoline to the layer's class forward (transformers' class forwards are wrapped, so they cannot be
 pickled by reference); one serves every layer of a class and every length. A signature found nowhere is compiled by
 another process while the layer runs as written (`compile_layers_in_background`, `engine.background_compile`).
 
@@ -76,7 +77,7 @@ def _code_bytes(code: types.CodeType) -> bytes:
     their `repr` holds a memory address, which would give every process another key."""
     consts = b"".join(
         _code_bytes(c) if isinstance(c, types.CodeType)
-        else repr(sorted(c, key=repr)).encode() if isinstance(c, frozenset)  # `x in {...}`: its order is the hash seed's
+        else repr(sorted(c, key=repr)).encode() if isinstance(c, frozenset)  # `x in {...}`: ordered by the hash seed
         else repr(c).encode()
         for c in code.co_consts
     )  # fmt: skip

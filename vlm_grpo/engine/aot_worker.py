@@ -3,7 +3,8 @@ job's layer ahead of time (`engine.aot_layers.compile_entry`) and saves it where
 
 Exit status 0: saved. 2: this process computes another signature key than the trainer's (a patch or setting the
 trainer's process made at run time that a new process does not have), or cannot take the global state the trainer's
-compiled functions are guarded on, so nothing is compiled and the trainer compiles the layer itself. Anything else: the compile failed (its last line says why; the trainer logs it).
+compiled functions are guarded on, so nothing is compiled and the trainer compiles the layer itself. Anything else: the
+compile failed (its last line says why; the trainer logs it).
 """
 
 from __future__ import annotations

@@ -6,12 +6,12 @@ layer's training forward and backward (`benchmarks/results/h200-cold-start-7b-ao
 layer's own forward gives the eager results without that wait, and the compile needs only the layer and one call's
 inputs, which another process can have.
 
-How: at a signature's first training call (`engine.aot_layers`), the layer or part (weights, LoRA, training settings; not the
-training forward this package gave it) and the call's inputs (detached, `requires_grad` kept) are written
-to a file, and `python -m vlm_grpo.engine.aot_worker FILE` compiles the same function with the same dynamic
-marks, grad and autocast state and Dynamo / Inductor / functorch settings, and saves it where `AheadOfTime` looks for
-it. Until then the layer runs its own forward. At the next step's start (`AheadOfTime.adopt`: between steps, so a
-checkpoint's recomputation always runs the code its forward ran) the trainer loads what finished.
+How: at a signature's first training call (`engine.aot_layers`), the layer or part (weights, LoRA, training settings;
+not the training forward this package gave it) and the call's inputs (detached, `requires_grad` kept) are written to a
+file, and `python -m vlm_grpo.engine.aot_worker FILE` compiles the same function with the same dynamic marks, grad and
+autocast state and Dynamo / Inductor / functorch settings, and saves it where `AheadOfTime` looks for it. Until then the
+layer runs its own forward. At the next step's start (`AheadOfTime.adopt`: between steps, so a checkpoint's
+recomputation always runs the code its forward ran) the trainer loads what finished.
 
 Never a silent wrong result: the process computes the signature's key (`aot_layers.signature_key`: class, code,
 structure, the globals its modules hold, attention registry, the call's signature) on what it loaded and refuses to

@@ -104,9 +104,10 @@ def unsupported_reason(model: nn.Module) -> str | None:
 # compile, the graph "auto" reaches at its first new length.
 # Sizes that meet a weight's (the hidden size, the heads) are specialised by their guards all the same, and so are
 # sizes of 0 or 1. "auto" (torch's default): a static graph first and, at the first new length, one with the sizes
-# that changed as symbols: a second compile mid-run (an H100 soak: two more graphs between steps 4 and 100). On fresh H200s the 3B's first training phase (where these
-# compile) took 17.2 s with "length", 18.6 s with "auto"; on the CPU three lengths compiled in 16.1 s against 20.9 s
-# (14.6 + 6.3). "all" (`dynamic=True`): every size a symbol from the first compile (on an H200 the 3B's took 78 s).
+# that changed as symbols: a second compile mid-run (an H100 soak: two more graphs between steps 4 and 100). On fresh
+# H200s the 3B's first training phase (where these compile) took 17.2 s with "length", 18.6 s with "auto"; on the CPU
+# three lengths compiled in 16.1 s against 20.9 s (14.6 + 6.3). "all" (`dynamic=True`): every size a symbol from the
+# first compile (on an H200 the 3B's took 78 s).
 SHAPE_MODES = {"auto": None, "length": None, "all": True}
 
 
@@ -181,7 +182,7 @@ class CompiledLayers(TrainerCallback):
         model on a GPU (where the training phase is host-bound), False off. `blocked_by` names a trainer setting that
         rules it out (torch_compile, sharded layers); that, or what `unsupported_reason` finds, leaves the layers
         uncompiled, said once when they were asked for by name. `layers_folder`: where `compile_layers_ahead_of_time`
-        keeps whole layers' functions (`engine.aot_layers`; None: the compile cache is off, so is that; not by default
+        keeps its functions (`engine.aot_layers`; None: the compile cache is off, so is that; not by default
         when `sharded` by FSDP2, whose per-layer classes cannot be saved). Idempotent;
         compiled forwards another trainer left on the model are removed first (this config decides)."""
         setting = getattr(config, "compile_layers", None)
@@ -347,9 +348,7 @@ class _TrainingForward:
             if self.whole and (self.parts or _hooked(self._inside)):
                 return self._split(forward)(self.module, *args, **kwargs)
             if self.ahead is not None:  # no marks on the call's tensors: a loaded function's guards refuse them
-                mark = (
-                    _mark_length_dynamic if self.shapes == "length" else no_marks
-                )  # by name: a compile process gets it
+                mark = _mark_length_dynamic if self.shapes == "length" else no_marks  # module-level: picklable
                 return self.ahead.call(self.module, args, kwargs, SHAPE_MODES[self.shapes], mark,
                                        lambda: self._compiled_call(forward, args, kwargs))  # fmt: skip
             return self._compiled_call(forward, args, kwargs)
