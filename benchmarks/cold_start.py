@@ -85,6 +85,8 @@ def rows(runs: dict) -> list[dict]:
                           "waited_s": next((s["background_compile_wait_s"] for s in steps
                                             if "background_compile_wait_s" in s), None),
                           "compiled_graphs": worker.get("compiled_graphs"),
+                          # training layers ahead of time: loaded / compiled in the trainer, and why not as planned
+                          "ahead_of_time": worker.get("ahead_of_time") or {},
                           "compile_s": worker.get("compile_s") or {},
                           "compile_frames": worker.get("compile_frames") or []})  # fmt: skip
         for trainer, why in run["results"].get("failures", {}).items():
@@ -102,13 +104,20 @@ def _compiling(seconds: dict) -> str:
     return " / ".join(f"{seconds[part]:.1f}" if part in seconds else "-" for part in COMPILE_PARTS)
 
 
+def _ahead(counts: dict) -> str:
+    """`loaded / compiled` ahead-of-time functions of one worker (blank where it recorded none)."""
+    if counts.get("loaded") is None:
+        return ""
+    return f"{counts['loaded']} / {counts['compiled']}"
+
+
 def markdown(table: list[dict], args: argparse.Namespace, env: dict | None) -> str:
     head = (f"{args.model}, 2 prompts x 8 generations (grpo_step.py's defaults unless forwarded); "
             f"GPU: {(env or {}).get('gpu', '?')}; torch {(env or {}).get('torch', '?')}")  # fmt: skip
     lines = [head, "",
              ("| run | trainer | first step s | generation s | scoring s | training s | load s | next step s (+ s waited for a compile process) | compiled graphs "
-              "| compiling s: all / Dynamo's trace / AOTAutograd + Inductor / cache loads / Triton builds |"),
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+              "| ahead-of-time layers: loaded / compiled here | compiling s: all / Dynamo's trace / AOTAutograd + Inductor / cache loads / Triton builds |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in table:
         if "failed" in r:
             lines.append(f"| {r['run']} | {r['trainer']} | failed: {r['failed']} |")
@@ -117,7 +126,12 @@ def markdown(table: list[dict], args: argparse.Namespace, env: dict | None) -> s
         nxt += f" (+{r['waited_s']:.1f} waited)" if r.get("waited_s") else ""  # for another process's compile
         lines.append(f"| {r['run']} | {r['trainer']} | {r['first_s']:.1f} | {r['generation_s']:.1f} | "
                      f"{r['scoring_s']:.1f} | {r['training_s']:.1f} | {r['load_s']:.1f} | {nxt} | "
-                     f"{r['compiled_graphs']} | {_compiling(r.get('compile_s') or {})} |")  # fmt: skip
+                     f"{r['compiled_graphs']} | {_ahead(r.get('ahead_of_time') or {})} | "
+                     f"{_compiling(r.get('compile_s') or {})} |")  # fmt: skip
+    events = [(r["run"], r["trainer"], e) for r in table for e in (r.get("ahead_of_time") or {}).get("events") or []]
+    if events:  # why a layer was not served as planned (a refused load, a failed process, a compile given up)
+        lines += ["", "| run | trainer | ahead-of-time layers: not as planned |", "|---|---|---|"]
+        lines += [f"| {run} | {trainer} | {event.replace('|', '/')} |" for run, trainer, event in events]
     frames = [(r["run"], r["trainer"], f) for r in table for f in r.get("compile_frames") or []]
     if frames:  # which graph each run's compile time went to, the largest first
         lines += ["", "| run | trainer | compiled frame | backward | all s | Inductor s | code generation s | Triton s | ops |",

@@ -293,8 +293,9 @@ def run_worker(args) -> None:
               "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"], "compile_s": compile_seconds(),
               "compile_frames": compile_frames(),  # which graph a first step's compile went to (issue #48)
               # Ahead-of-time functions loaded (from a cache or a compile process) and compiled in this process.
+              # What did not go as planned and why (`AheadOfTime.events`).
               "ahead_of_time": {k: getattr(getattr(getattr(trainer, "compiled_layers", None), "ahead", None), k, None)
-                                for k in ("loaded", "compiled")},
+                                for k in ("loaded", "compiled", "events")},
               "fast_generation": dict(getattr(getattr(trainer, "fast_generator", None), "stats", {})),
               "quantized_generation": (trainer.fast_generator.describe_quantized()
                                        if hasattr(trainer, "fast_generator") else {}),
@@ -339,6 +340,8 @@ def main(argv=None) -> None:
             cmd = [sys.executable, os.path.abspath(__file__), *forwarded, "--worker", name, "--worker_out", out]
             start = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            with open(out[: -len(".json")] + ".log", "w") as f:  # its warnings (fallbacks say why there), kept
+                f.write(proc.stdout + proc.stderr)
             print(
                 f"[{name} round {round_index}] exit {proc.returncode} in {time.perf_counter() - start:.0f} s",
                 flush=True,

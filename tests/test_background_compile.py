@@ -1,7 +1,11 @@
 """`vlm_grpo.engine.background_compile`: a layer found in no cache is compiled ahead of time by another process while
 it trains as written (the eager results), and the step after that process is done loads it; a process that would
 compile something else (a patch made at run time) or a layer that cannot be written is said, and the layer compiles in
-the training process."""
+the training process.
+
+PYTEST_DONT_REWRITE: a compile process imports this module as written, and the key of a layer whose class is defined
+here hashes the code of the functions it holds: pytest's assertion rewriting (of this module and of the test helpers
+it would import at its top) would give every such layer another key there."""
 
 from __future__ import annotations
 
@@ -13,8 +17,6 @@ import tempfile
 
 import pytest
 import torch
-from test_compiled_layers import _assert_the_eager_loss_and_gradients, _loss_and_grads
-from test_shared_prefix import _batch, _trainer
 from torch._dynamo.utils import counters
 
 from vlm_grpo.engine import aot_layers, background_compile
@@ -25,6 +27,10 @@ from vlm_grpo.engine.aot_layers import AheadOfTime, no_marks
 def test_by_default_another_process_compiles_the_layer_while_it_trains_as_written_the_next_step_and_run_load_it(
     tiny_dir, tmp_path, fresh_dynamo
 ):
+    # Here, not at the top: this module's globals are in the key of the layers defined here (the module docstring).
+    from test_compiled_layers import _assert_the_eager_loss_and_gradients, _loss_and_grads
+    from test_shared_prefix import _batch, _trainer
+
     # The defaults: ahead of time, in the background (`engine.background_compile`).
     trainer = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", gc=True, compile_layers=True,
                        compile_cache_dir=str(tmp_path / "cache"))  # fmt: skip
@@ -46,10 +52,11 @@ def test_by_default_another_process_compiles_the_layer_while_it_trains_as_writte
         torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=name)
     ahead.background.wait(timeout=900)
     trainer.callback_handler.on_step_begin(trainer.args, trainer.state, trainer.control)  # the next step's start
-    assert (ahead.compiled, ahead.loaded) == (0, 2) and not ahead.background.pending()
+    assert not ahead.background.pending() and (ahead.compiled, ahead.loaded) == (0, 0)  # loaded at their next call
     counters.clear()
     _assert_the_eager_loss_and_gradients(*_loss_and_grads(trainer, inputs), eager_loss, eager)
-    assert counters["stats"]["unique_graphs"] == 0 and ahead.compiled == 0  # loaded: no trace here
+    # Loaded, and their guards took the calls: no trace, nothing compiled here.
+    assert (ahead.compiled, ahead.loaded) == (0, 2) and counters["stats"]["unique_graphs"] == 0, ahead.events
     folder = trainer.compile_cache.layers_folder()
     assert len(glob.glob(os.path.join(folder, "*.aot"))) == 2 and not glob.glob(os.path.join(folder, "*.log"))
     # A later trainer (a new AheadOfTime, Dynamo's caches empty): both are loaded from the cache, nothing is traced.
@@ -98,6 +105,26 @@ def test_a_layer_patched_at_run_time_is_compiled_here_not_by_a_process_without_t
     out = ahead.call(layer, (x,), {}, None, no_marks, lambda: pytest.fail("not torch.compile"))
     assert (ahead.compiled, ahead.loaded) == (1, 0) and not list(tmp_path.glob("*.job"))
     torch.testing.assert_close(out, expected)
+
+
+def test_a_function_compiled_under_autocast_is_loaded_at_its_next_call_and_takes_calls_under_autocast(
+    tmp_path, fresh_dynamo
+):
+    # The training step runs under autocast (bf16 on a GPU). torch rebuilds a loaded function's guards on the dispatch
+    # keys of the context it is loaded in: loaded at the step's start, outside autocast, it refused every call inside
+    # (an H200 run compiled every layer in the trainer at its second step).
+    layer, x = _UsesAGlobal(), torch.randn(2, 3, 4, requires_grad=True)
+    ahead = AheadOfTime(str(tmp_path), background=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = layer(x)
+        ahead.call(layer, (x,), {}, None, no_marks, lambda: pytest.fail("not torch.compile"))
+    ahead.background.wait(timeout=600)
+    assert ahead.adopt() == 1  # outside autocast, as a step's start is
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ahead.call(layer, (x,), {}, None, no_marks, lambda: pytest.fail("not torch.compile"))
+    assert (ahead.compiled, ahead.loaded) == (0, 1) and ahead.events == []
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 def test_a_layer_that_cannot_be_written_for_another_process_is_said_and_compiled_here(tmp_path, caplog, fresh_dynamo):

@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 _MAX_ENTRIES = 8  # per signature, as Dynamo's recompile limit per frame
 _GUARD_FAILED = "GuardManager check failed"  # how a loaded function refuses a call
+_EVENTS = 20  # `AheadOfTime.events` kept
 
 
 def _layer_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -247,6 +248,13 @@ class AheadOfTime:
         self.background = BackgroundCompiles() if background else None
         self._pending: set[str] = set()  # keys another process is compiling
         self._here: set[str] = set()  # keys this process compiles (their other process failed or could not start)
+        # What did not go as planned and why (a refused load, a process that failed, a compile given up): the same lines
+        # as the warnings, for a benchmark's record (`benchmarks/grpo_step.py`); the first `_EVENTS`.
+        self.events: list[str] = []
+
+    def _note(self, event: str) -> None:
+        if len(self.events) < _EVENTS:
+            self.events.append(event)
 
     def call(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], dynamic: bool | None,
              mark: Callable[[tuple, dict], None], fallback: Callable[[], Any]) -> Any:  # fmt: skip
@@ -256,7 +264,7 @@ class AheadOfTime:
         key = signature_key(module, args, kwargs)
         if key in self._given_up:
             return fallback()
-        entries = self._entries.get(key)
+        entries, refused = self._entries.get(key), ""
         if entries is None:
             if key in self._pending:  # another process is compiling it: the layer's own forward until `adopt`
                 return _layer_forward(module, *args, **kwargs)
@@ -273,6 +281,9 @@ class AheadOfTime:
             except RuntimeError as error:  # the only one's guards refuse the call
                 if not str(error).startswith(_GUARD_FAILED):
                     raise
+                refused = " ".join(str(error).split())[len(_GUARD_FAILED) :][:400]
+        if entries:  # every function this signature has refused the call: another is compiled (said in the record)
+            self._note(f"{type(module).__name__}: {len(entries)} function(s) refused a call{refused}")
         if len(entries) >= _MAX_ENTRIES:
             return self._give_up(key, f"{_MAX_ENTRIES} compiled functions for one signature", fallback)
         try:
@@ -292,6 +303,7 @@ class AheadOfTime:
         why_not = self.background.start(key, path, module, args, kwargs, dynamic, mark)
         if why_not is not None:
             self._here.add(key)
+            self._note(f"not compiled in another process: {why_not}")
             logger.warning("compile_layers_in_background: %s; it compiles in this process.", why_not)
             return False
         self._pending.add(key)
@@ -300,23 +312,24 @@ class AheadOfTime:
         return True
 
     def adopt(self) -> int:
-        """Load the functions other processes finished compiling (call between steps: a checkpoint's recomputation
-        must run what its forward ran); returns how many signatures now have one. A failed process is said, and its
-        signature compiles in this process at its next call."""
+        """Take what other processes finished compiling (call between steps: a checkpoint's recomputation must run what
+        its forward ran); returns how many signatures now have a function to load. It loads at the signature's next
+        call, in that call's context: torch rebuilds a loaded function's guards on the tensors' dispatch keys of the
+        context it is loaded in, so a function loaded outside the training step's autocast refused every call under
+        it. A failed process is said, and its signature compiles in this process at its next call."""
         if self.background is None:
             return 0
-        adopted = 0
+        ready = 0
         for key, failure in self.background.finished():
             self._pending.discard(key)
-            entries = self._load(key) if failure is None else []
-            if entries:
-                self._entries[key] = entries
-                adopted += 1
+            self._here.add(key)  # its next call loads what the process saved, or compiles here: no second process
+            if failure is None:
+                ready += 1
                 continue
-            self._here.add(key)
+            self._note(f"the other process did not compile a layer ({failure})")
             logger.warning("compile_layers_in_background: the other process did not compile a layer (%s); it "
-                           "compiles in this process.", failure or "its file did not load")  # fmt: skip
-        return adopted
+                           "compiles in this process.", failure)  # fmt: skip
+        return ready
 
     def _load(self, key: str) -> list[Any]:
         entries = []
@@ -329,10 +342,12 @@ class AheadOfTime:
                     entry = torch.compiler.load_compiled_function(f)
                 changed = _stale(entry)
             except Exception as error:  # noqa: BLE001 (a stale or torn file: compiling again is the fallback)
+                self._note(f"{os.path.basename(path)} not loaded: {type(error).__name__}: {str(error)[:300]}")
                 logger.warning("Compiled layer in %s could not be loaded (%s: %s); compiling again.", path,
                                type(error).__name__, error)  # fmt: skip
                 break
             if changed is not None:
+                self._note(f"{os.path.basename(path)} not loaded: compiled from another version of {changed}")
                 logger.warning("Compiled layer in %s was compiled from another version of %s; compiling again.",
                                path, changed)  # fmt: skip
                 break
@@ -345,11 +360,13 @@ class AheadOfTime:
             os.makedirs(self.folder, exist_ok=True)
             entry.save_compiled_function(path)  # written through a temporary file: a reader never sees half of it
         except Exception as error:  # noqa: BLE001 (unpicklable or a full disk: the next run compiles again)
+            self._note(f"not saved: {type(error).__name__}: {str(error)[:300]}")
             logger.warning("Could not save a compiled layer to %s (%s: %s); the next run compiles it again.", path,
                            type(error).__name__, error)  # fmt: skip
 
     def _give_up(self, key: str, reason: str, fallback: Callable[[], Any]) -> Any:
         self._given_up.add(key)
+        self._note(f"given up for torch.compile: {reason}")
         logger.warning("compile_layers_ahead_of_time: a layer's training forward is compiled by torch.compile instead "
                        "(%s).", reason)  # fmt: skip
         return fallback()
