@@ -231,9 +231,11 @@ def compile_entry(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], 
     mark(example_args, example_kwargs)
     with warnings.catch_warnings():  # Dynamo's guards read `.grad` of the non-leaf inputs: a UserWarning
         warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
-        return torch.compile(_layer_forward, fullgraph=True, dynamic=dynamic).aot_compile(
-            ((module, *example_args), example_kwargs)
-        )
+        # `aot_compile` exists only with this on: torch 2.13's default, not 2.11's (the GPU machine's), where every
+        # layer fell back to torch.compile with an AttributeError.
+        with torch._dynamo.config.patch(enable_aot_compile=True):
+            compiled = torch.compile(_layer_forward, fullgraph=True, dynamic=dynamic)
+        return compiled.aot_compile(((module, *example_args), example_kwargs))
 
 
 class AheadOfTime:

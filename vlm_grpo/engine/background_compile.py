@@ -11,7 +11,8 @@ not the training forward this package gave it) and the call's inputs (detached, 
 file, and `python -m vlm_grpo.engine.aot_worker FILE` compiles the same function with the same dynamic marks, grad and
 autocast state and Dynamo / Inductor / functorch settings, and saves it where `AheadOfTime` looks for it. Until then the
 layer runs its own forward. At the next step's start (`AheadOfTime.adopt`: between steps, so a checkpoint's
-recomputation always runs the code its forward ran) the trainer loads what finished.
+recomputation always runs the code its forward ran) the trainer takes what finished, and loads each function at its
+signature's next call, in that call's context (autocast's dispatch keys go into a loaded function's guards).
 
 Never a silent wrong result: the process computes the signature's key (`aot_layers.signature_key`: class, code,
 structure, the globals its modules hold, attention registry, the call's signature) on what it loaded and refuses to

@@ -167,7 +167,8 @@ def _mark_length_dynamic(args: tuple, kwargs: dict[str, Any]) -> None:
 
 class CompiledLayers(TrainerCallback):
     """Compiled attention / MLP forwards on a model's layers (`attach`), removable (`detach`); as a transformers
-    callback it loads at each step's start what compile processes finished (`AheadOfTime.adopt`)."""
+    callback it takes at each step's start what compile processes finished (`AheadOfTime.adopt`; each loads at its
+    next call)."""
 
     def __init__(self) -> None:
         self.modules: list[nn.Module] = []
