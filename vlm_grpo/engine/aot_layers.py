@@ -7,10 +7,10 @@ function as torch.compile does (the training forward and backward: the same cost
 24.4 s on the CPU probe, `benchmarks/results/cpu-aot-probe/`), and its result can be saved and loaded by a later
 process in a fraction of a second, with no trace.
 
-What: `VLMGRPOConfig.compile_layers_ahead_of_time` (on by default where it can be, `ahead_of_time`; measured on an
-H200: the 7B's cached first step 9.3 s, and the same step time) gives each compiled training forward (a whole layer's,
-or with `compile_layers_unit="modules"` and for models with recurrent layers an attention's or MLP's;
-`engine.compiled_layers`) one of these per call signature, in the compile cache's folder
+What: `VLMGRPOConfig.compile_layers_ahead_of_time` (on by default where it can be, `ahead_of_time`; its H200 numbers
+of the twelfth session were torch.compile's: torch 2.11 needs `enable_aot_compile`, now set in `compile_entry`) gives
+each compiled training forward (a whole layer's, or with `compile_layers_unit="modules"` and for models with recurrent
+layers an attention's or MLP's; `engine.compiled_layers`) one of these per call signature, in the compile cache's folder
 (`<compile cache dir>/<key>-layers/`, keyed by versions, GPU, architecture and settings). The function compiled is a
 module-level trampoline to the layer's class forward (transformers' class forwards are wrapped, so they cannot be
 pickled by reference); one serves every layer of a class and every length. A signature found nowhere is compiled by

@@ -225,10 +225,10 @@ class VLMGRPOConfig(GRPOConfig):
         default=None,
         metadata={"help": "With compile_layers: compile each layer's (or attention's and MLP's) training forward ahead "
                   "of time (torch's aot_compile, the same cost as torch.compile) and keep it in the compile cache's "
-                  "folder, so a later run loads it instead of tracing it with Dynamo again (on an H200 the 7B's first "
-                  "step on a warm cache 9.3 s against 11.1 s). Anything it cannot serve falls back to torch.compile, "
-                  "said once. None: on with lengths dynamic and the compile cache on, except under FSDP. See "
-                  "vlm_grpo.engine.aot_layers."},
+                  "folder, so a later run loads it instead of tracing it with Dynamo again (its GPU gain is still to be "
+                  "measured: before the thirteenth session torch 2.11 fell back to torch.compile). Anything it "
+                  "cannot serve falls back to torch.compile, said once. None: on with lengths dynamic and the "
+                  "compile cache on, except under FSDP. See vlm_grpo.engine.aot_layers."},
     )  # fmt: skip
     compile_layers_in_background: bool = field(
         default=True,
