@@ -81,6 +81,42 @@ def test_a_torn_file_is_said_and_compiled_again(tmp_path, caplog, fresh_dynamo):
     assert torch.allclose(out, layer(x)) and path.read_bytes() != b"not a compiled function"
 
 
+class _Fails:
+    """Stands in for a loaded function whose call passes its guards and then raises (a torch version's bug in running
+    it): the real thing cannot be made to on demand."""
+
+    def __init__(self, error: Exception, served: int = 0) -> None:
+        self.error, self.served = error, served
+
+    def __call__(self, *args, **kwargs):
+        if self.served:
+            self.served -= 1
+            return "served"
+        raise self.error
+
+
+def test_a_function_that_fails_its_first_call_falls_back_said_and_later_failures_are_the_steps_error(tmp_path, caplog):
+    layer, x = torch.nn.Linear(4, 4), torch.randn(2, 4, requires_grad=True)
+    key = signature_key(layer, (x,), {})
+
+    def call(ahead, function):
+        ahead._entries[key] = [function]
+        return ahead.call(layer, (x,), {}, None, lambda *_: None, lambda: "torch.compile")
+
+    ahead = AheadOfTime(str(tmp_path))
+    with caplog.at_level("WARNING", logger="vlm_grpo.engine.aot_layers"):
+        assert call(ahead, _Fails(RuntimeError("CUDA error: an illegal memory access"))) == "torch.compile"
+    assert "its first call raised RuntimeError: CUDA error" in caplog.text and "illegal memory" in ahead.events[0]
+    assert ahead.call(layer, (x,), {}, None, lambda *_: None, lambda: "torch.compile") == "torch.compile"  # given up
+    later = AheadOfTime(str(tmp_path))
+    with pytest.raises(torch.OutOfMemoryError):  # memory running out is the step's error, first call or not
+        call(later, _Fails(torch.OutOfMemoryError("CUDA out of memory")))
+    served = _Fails(ValueError("a later failure"), served=1)
+    assert call(later, served) == "served"
+    with pytest.raises(ValueError, match="a later failure"):  # it has served a call: not hidden behind a fallback
+        later.call(layer, (x,), {}, None, lambda *_: None, lambda: "torch.compile")
+
+
 def test_ahead_of_time_needs_dynamic_lengths_and_the_compile_cache_and_is_on_by_default_where_it_can_be(tmp_path):
     with pytest.raises(ValueError, match="compile_layers_ahead_of_time compiles with the lengths dynamic"):
         VLMGRPOConfig(output_dir=str(tmp_path), compile_layers_ahead_of_time=True, compile_layers_dynamic="auto")

@@ -253,6 +253,7 @@ class AheadOfTime:
         # What did not go as planned and why (a refused load, a process that failed, a compile given up): the same lines
         # as the warnings, for a benchmark's record (`benchmarks/grpo_step.py`); the first `_EVENTS`.
         self.events: list[str] = []
+        self._served: set[int] = set()  # functions (by id; `_entries` keeps them) that have served a call
 
     def _note(self, event: str) -> None:
         if len(self.events) < _EVENTS:
@@ -279,11 +280,14 @@ class AheadOfTime:
             if len(entries) > 1 and not entry.guard_check(module, *args, **kwargs):
                 continue
             try:
-                return entry(module, *args, **kwargs)
-            except RuntimeError as error:  # the only one's guards refuse the call
-                if not str(error).startswith(_GUARD_FAILED):
-                    raise
-                refused = " ".join(str(error).split())[len(_GUARD_FAILED) :][:400]
+                result = entry(module, *args, **kwargs)
+            except Exception as error:  # noqa: BLE001 (re-raised unless its first call: `_failed`)
+                if isinstance(error, RuntimeError) and str(error).startswith(_GUARD_FAILED):  # its guards refuse it
+                    refused = " ".join(str(error).split())[len(_GUARD_FAILED) :][:400]
+                    continue
+                return self._failed(key, entry, error, fallback)
+            self._served.add(id(entry))
+            return result
         if entries:  # every function this signature has refused the call: another is compiled (said in the record)
             self._note(f"{type(module).__name__}: {len(entries)} function(s) refused a call{refused}")
         if len(entries) >= _MAX_ENTRIES:
@@ -295,7 +299,21 @@ class AheadOfTime:
         entries.append(entry)
         self.compiled += 1
         self._save(entry, os.path.join(self.folder, f"{key}-{len(entries) - 1}.aot"))
-        return entry(module, *args, **kwargs)
+        try:
+            result = entry(module, *args, **kwargs)
+        except Exception as error:  # noqa: BLE001 (re-raised unless its first call: `_failed`)
+            return self._failed(key, entry, error, fallback)
+        self._served.add(id(entry))
+        return result
+
+    def _failed(self, key: str, entry: Any, error: Exception, fallback: Callable[[], Any]) -> Any:
+        """A function's call raised `error`: a function that has served a call, or memory running out, is the step's
+        error; one that fails its first call (a torch version's bug in loading or running it) falls back to
+        torch.compile, said."""
+        if id(entry) in self._served or isinstance(error, torch.OutOfMemoryError):
+            raise error
+        first_line = (str(error).splitlines() or [""])[0][:200]
+        return self._give_up(key, f"its first call raised {type(error).__name__}: {first_line}", fallback)
 
     def _start(self, key: str, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], dynamic: bool | None,
                mark: Callable[[tuple, dict], None]) -> bool:  # fmt: skip
