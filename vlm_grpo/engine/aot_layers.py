@@ -250,14 +250,20 @@ class AheadOfTime:
         self.background = BackgroundCompiles() if background else None
         self._pending: set[str] = set()  # keys another process is compiling
         self._here: set[str] = set()  # keys this process compiles (their other process failed or could not start)
-        # What did not go as planned and why (a refused load, a process that failed, a compile given up): the same lines
-        # as the warnings, for a benchmark's record (`benchmarks/grpo_step.py`); the first `_EVENTS`.
+        # What did not go as planned and why (a refused load, a process that failed, a compile given up, a function
+        # that refused a call): the warnings and notes, for a benchmark's record (`benchmarks/grpo_step.py`); the
+        # first `_EVENTS`.
         self.events: list[str] = []
         self._served: set[int] = set()  # functions (by id; `_entries` keeps them) that have served a call
 
     def _note(self, event: str) -> None:
         if len(self.events) < _EVENTS:
             self.events.append(event)
+
+    def _warn(self, message: str) -> None:
+        """Said in the log and kept in `events`."""
+        self._note(message)
+        logger.warning("%s", message)
 
     def call(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], dynamic: bool | None,
              mark: Callable[[tuple, dict], None], fallback: Callable[[], Any]) -> Any:  # fmt: skip
@@ -323,8 +329,7 @@ class AheadOfTime:
         why_not = self.background.start(key, path, module, args, kwargs, dynamic, mark)
         if why_not is not None:
             self._here.add(key)
-            self._note(f"not compiled in another process: {why_not}")
-            logger.warning("compile_layers_in_background: %s; it compiles in this process.", why_not)
+            self._warn(f"compile_layers_in_background: {why_not}; it compiles in this process.")
             return False
         self._pending.add(key)
         logger.info("compile_layers_in_background: %s's training forward compiles in another process; it runs as "
@@ -346,9 +351,10 @@ class AheadOfTime:
             if failure is None:
                 ready += 1
                 continue
-            self._note(f"the other process did not compile a layer ({failure})")
-            logger.warning("compile_layers_in_background: the other process did not compile a layer (%s); it "
-                           "compiles in this process.", failure)  # fmt: skip
+            self._warn(
+                f"compile_layers_in_background: the other process did not compile a layer ({failure}); it "
+                "compiles in this process."
+            )
         return ready
 
     def _load(self, key: str) -> list[Any]:
@@ -362,14 +368,13 @@ class AheadOfTime:
                     entry = torch.compiler.load_compiled_function(f)
                 changed = _stale(entry)
             except Exception as error:  # noqa: BLE001 (a stale or torn file: compiling again is the fallback)
-                self._note(f"{os.path.basename(path)} not loaded: {type(error).__name__}: {str(error)[:300]}")
-                logger.warning("Compiled layer in %s could not be loaded (%s: %s); compiling again.", path,
-                               type(error).__name__, error)  # fmt: skip
+                self._warn(
+                    f"Compiled layer in {path} could not be loaded ({type(error).__name__}: {str(error)[:300]}); "
+                    "compiling again."
+                )
                 break
             if changed is not None:
-                self._note(f"{os.path.basename(path)} not loaded: compiled from another version of {changed}")
-                logger.warning("Compiled layer in %s was compiled from another version of %s; compiling again.",
-                               path, changed)  # fmt: skip
+                self._warn(f"Compiled layer in {path} was compiled from another version of {changed}; compiling again.")
                 break
             entries.append(entry)
         self.loaded += len(entries)
@@ -380,13 +385,14 @@ class AheadOfTime:
             os.makedirs(self.folder, exist_ok=True)
             entry.save_compiled_function(path)  # written through a temporary file: a reader never sees half of it
         except Exception as error:  # noqa: BLE001 (unpicklable or a full disk: the next run compiles again)
-            self._note(f"not saved: {type(error).__name__}: {str(error)[:300]}")
-            logger.warning("Could not save a compiled layer to %s (%s: %s); the next run compiles it again.", path,
-                           type(error).__name__, error)  # fmt: skip
+            self._warn(
+                f"Could not save a compiled layer to {path} ({type(error).__name__}: {str(error)[:300]}); the "
+                "next run compiles it again."
+            )
 
     def _give_up(self, key: str, reason: str, fallback: Callable[[], Any]) -> Any:
         self._given_up.add(key)
-        self._note(f"given up for torch.compile: {reason}")
-        logger.warning("compile_layers_ahead_of_time: a layer's training forward is compiled by torch.compile instead "
-                       "(%s).", reason)  # fmt: skip
+        self._warn(
+            f"compile_layers_ahead_of_time: a layer's training forward is compiled by torch.compile instead ({reason})."
+        )
         return fallback()

@@ -233,9 +233,9 @@ class VLMGRPOConfig(GRPOConfig):
     compile_layers_in_background: bool = field(
         default=True,
         metadata={"help": "With compile_layers_ahead_of_time: a layer (or part) whose compiled forward is in no cache is "
-                  "compiled by another process while it trains as written (the eager results), and loaded at the "
-                  "first step's start after it is done, so a fresh machine's first step does not wait for the compile. "
-                  "False (and with full_determinism or deterministic algorithms, whose runs must not depend on when the "
+                  "compiled by another process while it trains as written (the eager results), and loaded at its "
+                  "first call of the first step after it is done, so a fresh machine's first step does not wait for "
+                  "the compile. False (and with full_determinism or deterministic algorithms, whose runs must not depend on when the "
                   "compiled layer takes over): the first step compiles it. See vlm_grpo.engine.background_compile."},
     )  # fmt: skip
     compile_cache_dir: str | None = field(
