@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from vlm_grpo.engine import aot_layers, background_compile
+from vlm_grpo.engine import aot_keys, background_compile
 from vlm_grpo.engine.aot_layers import AheadOfTime, no_marks
 
 
@@ -31,10 +31,12 @@ def test_by_default_another_process_compiles_the_layer_while_it_trains_as_writte
     from test_compiled_layers import _assert_the_eager_loss_and_gradients, _loss_and_grads
     from test_shared_prefix import _batch, _trainer
 
-    # The defaults: ahead of time, in the background (`engine.background_compile`).
-    trainer = _trainer(tiny_dir, tmp_path, "qwen2_5_vl", lora="both", gc=True, compile_layers=True,
+    # The defaults: ahead of time, in the background (`engine.background_compile`). GLM-4V: its modeling file wraps
+    # no function in a hub kernel, so torch can save its layers with every transformers release (5.25 wraps most
+    # decoders' `apply_rotary_pos_emb`: `test_a_layer_torch_cannot_save_...`).
+    trainer = _trainer(tiny_dir, tmp_path, "glm4v", lora="both", gc=True, compile_layers=True,
                        compile_cache_dir=str(tmp_path / "cache"))  # fmt: skip
-    inputs = _batch(trainer, "qwen2_5_vl")
+    inputs = _batch(trainer, "glm4v")
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     trainer.compiled_layers.detach()
@@ -92,7 +94,7 @@ def test_a_layer_patched_at_run_time_is_compiled_here_not_by_a_process_without_t
     # A new process imports this module unpatched: it computes another key, so it must not compile (its function
     # would double where this process triples).
     monkeypatch.setattr(sys.modules[__name__], "_double", lambda x: 3 * x)
-    monkeypatch.setattr(aot_layers, "_module_globals", aot_layers._module_globals.__wrapped__)  # not cached
+    monkeypatch.setattr(aot_keys, "_module_globals", aot_keys._module_globals.__wrapped__)  # not cached
     layer, x = _UsesAGlobal(), torch.randn(2, 3, 4, requires_grad=True)
     expected = layer(x)
     ahead = AheadOfTime(str(tmp_path), background=True)
@@ -105,6 +107,54 @@ def test_a_layer_patched_at_run_time_is_compiled_here_not_by_a_process_without_t
     out = ahead.call(layer, (x,), {}, None, no_marks, lambda: pytest.fail("not torch.compile"))
     assert (ahead.compiled, ahead.loaded) == (1, 0) and not list(tmp_path.glob("*.job"))
     torch.testing.assert_close(out, expected)
+
+
+def _wrapped(function):
+    class Func(torch.nn.Module):  # a class defined in a function, as `kernels`' hub-kernel wrapper of a function
+        def forward(self, *args):
+            return function(*args)
+
+        def __reduce__(self):  # picklable by its maker, as `kernels`' (a job file for the other process holds it)
+            return _wrapped, (function,)
+
+    return Func()
+
+
+class _CallsAWrappedFunction(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        # Not a submodule: as transformers 5.25's attention holds its wrapped `apply_rotary_pos_emb` (`kernels`).
+        self.__dict__["_kernel_funcs"] = {"sin": _wrapped(torch.sin)}
+
+    def forward(self, x):
+        return self._kernel_funcs["sin"](self.linear(x))
+
+
+def test_a_layer_torch_cannot_save_falls_back_to_torch_compile_said_once_not_compiled_again_here(
+    tmp_path, caplog, fresh_dynamo
+):
+    # torch refuses to save a function whose guards hold an object of a class defined in a function. The other
+    # process fails so; compiling here would fail the same way, so torch.compile takes the signature at once.
+    layer, x = _CallsAWrappedFunction(), torch.randn(2, 3, 4, requires_grad=True)
+    ahead, fallbacks = AheadOfTime(str(tmp_path), background=True), []
+
+    def fallback():
+        fallbacks.append(1)
+        return layer(x)
+
+    expected = layer(x)
+    counters.clear()
+    torch.testing.assert_close(ahead.call(layer, (x,), {}, None, no_marks, fallback), expected, rtol=0, atol=0)
+    ahead.background.wait(timeout=600)
+    with caplog.at_level("WARNING", logger="vlm_grpo.engine.aot_layers"):
+        assert ahead.adopt() == 0
+        for _ in range(2):
+            torch.testing.assert_close(ahead.call(layer, (x,), {}, None, no_marks, fallback), expected)
+    assert caplog.text.count("compiled by torch.compile instead") == 1 and "local scope" in caplog.text
+    assert len(ahead.events) == 1 and counters["stats"]["calls_captured"] == 0  # not traced here in vain
+    assert len(fallbacks) == 2 and (ahead.compiled, ahead.loaded) == (0, 0), (fallbacks, ahead.compiled, ahead.loaded)
+    assert not list(tmp_path.glob("*.aot")), list(tmp_path.iterdir())
 
 
 def test_a_function_compiled_under_autocast_is_loaded_at_its_next_call_and_takes_calls_under_autocast(

@@ -18,42 +18,43 @@ another process while the layer runs as written (`compile_layers_in_background`,
 
 Never a silent wrong result: a loaded function checks the guards that could be saved (sizes, dtypes, grad mode and
 autocast, module attributes such as training mode, LoRA scaling and dropout, the attention implementation), but torch
-drops the guards on global names (the functions a layer's code reaches by name: `apply_rotary_pos_emb`, the
-attention registry, PEFT's helpers) and on object identities. So the file's name also hashes the layer's class, its
-forward's code, its structure (`repr`: every submodule's class and sizes), which object each function and class name
-of those submodules' Python modules holds (a library's patch changes it), the call's signature (argument names;
-tensors' dtypes, devices, ranks and whether they require grad; other arguments' values) and autocast; and a file
-whose inlined sources changed since (an edited or upgraded-in-place library: torch records them) is compiled again.
-A signature whose trace breaks the graph (fullgraph), a file that does not load, or 8 functions for one signature
-fall back to torch.compile for that signature, said once.
+drops the guards on global names and on object identities: the file's name hashes what those would have checked
+(`engine.aot_keys`), and a file whose inlined sources changed since (an edited or upgraded-in-place library: torch
+records them) is compiled again. A signature whose trace breaks the graph (fullgraph), a file that does not load, or 8
+functions for one signature fall back to torch.compile for that signature, said once.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import inspect
 import logging
 import os
 import sys
 import time
-import types
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
+from .aot_keys import signature_key
 from .background_compile import BackgroundCompiles, aliases
 
-__all__ = ["AheadOfTime", "ahead_of_time", "compile_entry", "in_background", "no_marks", "signature_key"]
+__all__ = ["AheadOfTime", "ahead_of_time", "compile_entry", "in_background", "no_marks", "traced"]
 
 logger = logging.getLogger(__name__)
 
 _MAX_ENTRIES = 8  # per signature, as Dynamo's recompile limit per frame
 _GUARD_FAILED = "GuardManager check failed"  # how a loaded function refuses a call
+# How torch refuses to save a function whose guards hold an object of a class defined in a function. transformers
+# 5.25 (with `kernels`, its dependency since) makes most decoders' `apply_rotary_pos_emb` such an object (a hub-kernel
+# wrapper), so their whole layers and attention fall back to torch.compile, said.
+_UNSAVEABLE = "since it's defined in local scope"
 _EVENTS = 20  # `AheadOfTime.events` kept
+# What non-reentrant checkpointing raises out of a layer's recomputation once it has every tensor backward needs
+# (private to torch; `()` matches nothing where it is gone).
+_RECOMPUTED = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
 
 
 def _layer_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -61,85 +62,6 @@ def _layer_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     reference; this can). FSDP2's generated per-layer classes cannot be pickled at all: such runs use what they
     compile but cannot save it (said), or fall back to torch.compile."""
     return type(module).forward(module, *args, **kwargs)
-
-
-def _describe(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return ("tensor", str(value.dtype), str(value.device), value.dim(), value.requires_grad)
-    if isinstance(value, (tuple, list)):
-        return (type(value).__name__, *map(_describe, value))
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return type(value).__qualname__
-
-
-def _code_bytes(code: types.CodeType) -> bytes:
-    """`code`'s bytecode, names and constants, nested code objects (comprehensions, lambdas) by their own content:
-    their `repr` holds a memory address, which would give every process another key."""
-    consts = b"".join(
-        _code_bytes(c) if isinstance(c, types.CodeType)
-        else repr(sorted(c, key=repr)).encode() if isinstance(c, frozenset)  # `x in {...}`: ordered by the hash seed
-        else repr(c).encode()
-        for c in code.co_consts
-    )  # fmt: skip
-    return code.co_code + repr(code.co_names).encode() + consts
-
-
-@functools.cache
-def _code(function: Any) -> str:
-    """A hash of the code of `function` and of every function it wraps (the same in every process)."""
-    digest = hashlib.sha256()
-    while function is not None:
-        code = getattr(function, "__code__", None)
-        if code is not None:
-            digest.update(_code_bytes(code))
-        function = getattr(function, "__wrapped__", None)
-    return digest.hexdigest()
-
-
-@functools.cache
-def _module_globals(name: str) -> str:
-    """A hash of the functions and classes the Python module `name` holds by name (which object each name is): a
-    loaded function does not check them (its guards on globals are dropped), and a library that patches a model
-    (e.g. replacing `apply_rotary_pos_emb`) changes them. Once per process: patches come before training."""
-    entries = []
-    for key, value in sorted(vars(sys.modules[name]).items()) if name in sys.modules else ():
-        # Not dunder names: Dynamo puts its compiled frames there (`__compiled_fn_<n>_<uuid>`, `__resume_at_...`).
-        if callable(value) and not key.startswith("__"):
-            try:
-                code = _code(value)
-            except TypeError:  # an unhashable callable object: its name and type stand for it
-                code = type(value).__qualname__
-            entries.append((key, getattr(value, "__module__", ""), getattr(value, "__qualname__", ""), code))
-    return hashlib.sha256(repr(entries).encode()).hexdigest()
-
-
-# A module's class, forward, structure and the globals of the Python modules its classes come from, hashed once per
-# module: its `repr` alone takes ~0.4 ms for a LoRA layer, and a step calls every layer twice (the forward and
-# checkpointing's recomputation).
-_STRUCTURE: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
-
-
-def _attention_functions(module: torch.nn.Module) -> str:
-    """Which function transformers' attention registry (`ALL_ATTENTION_FUNCTIONS`) holds under each implementation
-    name the module's parts are configured with (a saved function checks the name, not the function)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    names = {getattr(m.config, "_attn_implementation", None) for m in module.modules() if hasattr(m, "config")}
-    functions = [(n, ALL_ATTENTION_FUNCTIONS[n]) for n in sorted(filter(None, names)) if n in ALL_ATTENTION_FUNCTIONS]
-    return repr([(n, getattr(f, "__module__", ""), getattr(f, "__qualname__", ""), _code(f)) for n, f in functions])
-
-
-def _structure(module: torch.nn.Module) -> str:
-    found = _STRUCTURE.get(module)
-    if found is None:
-        kind = type(module)
-        sources = sorted({type(m).__module__ for m in module.modules()})
-        found = _STRUCTURE[module] = hashlib.sha256(
-            f"{kind.__module__}.{kind.__qualname__}|{_code(kind.forward)}|{module!r}|{_attention_functions(module)}|".encode()
-            + "|".join(map(_module_globals, sources)).encode()
-        ).hexdigest()
-    return found
 
 
 _CURRENT_SOURCE: dict[str, str | None] = {}
@@ -184,17 +106,6 @@ def _stale(entry: Any) -> str | None:
     return None
 
 
-def signature_key(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> str:
-    """A hash of what a loaded function's dropped guards would have checked (the module docstring): two calls with
-    the same key may share a saved function, whose own guards check the rest."""
-    device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
-    state = (torch.is_autocast_enabled(device), str(torch.get_autocast_dtype(device)),
-             torch.are_deterministic_algorithms_enabled(), str(torch.get_default_dtype()))  # fmt: skip
-    parts = (_structure(module), state, [_describe(a) for a in args],
-             sorted((k, repr(_describe(v))) for k, v in kwargs.items()))  # fmt: skip
-    return hashlib.sha256(repr(parts).encode()).hexdigest()[:20]
-
-
 def no_marks(args: tuple, kwargs: dict[str, Any]) -> None:
     """No sizes marked dynamic (`compile_layers_dynamic='all'`: torch.compile's dynamic=True marks them all)."""
 
@@ -222,6 +133,15 @@ def in_background(config: Any) -> bool:
     return True
 
 
+def traced() -> Any:
+    """The Dynamo settings a layer's training forward is traced under (torch.compile's or ahead of time). Where
+    transformers checkpoints inside the class forward (5.24 on), the checkpoint is traced as a higher-order op, under
+    which Dynamo refuses a side effect (a graph break) unless told not to replay it in backward's recomputation.
+    transformers 5.25's hub-kernel wrappers (`kernels`, its dependency since) set and reset a context variable in
+    every attention forward: the state after the forward is the state before it, so replaying would change nothing."""
+    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+
+
 def compile_entry(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], dynamic: bool | None,
                   mark: Callable[[tuple, dict], None]) -> Any:  # fmt: skip
     """`module`'s training forward compiled ahead of time for this call: `mark` marks the dynamic sizes of views of
@@ -235,7 +155,8 @@ def compile_entry(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], 
         # layer fell back to torch.compile with an AttributeError.
         with torch._dynamo.config.patch(enable_aot_compile=True):
             compiled = torch.compile(_layer_forward, fullgraph=True, dynamic=dynamic)
-        return compiled.aot_compile(((module, *example_args), example_kwargs))
+        with traced():
+            return compiled.aot_compile(((module, *example_args), example_kwargs))
 
 
 class AheadOfTime:
@@ -287,13 +208,16 @@ class AheadOfTime:
                 continue
             try:
                 result = entry(module, *args, **kwargs)
-            except Exception as error:  # noqa: BLE001 (re-raised unless its first call: `_failed`)
+            except Exception as error:  # re-raised unless its first call failed: `_first_failure`
                 if isinstance(error, RuntimeError) and str(error).startswith(_GUARD_FAILED):  # its guards refuse it
                     refused = " ".join(str(error).split())[len(_GUARD_FAILED) :][:400]
                     continue
-                return self._failed(key, entry, error, fallback)
-            self._served.add(id(entry))
-            return result
+                if (failure := self._first_failure(entry, error)) is None:
+                    raise  # bare: see `_first_failure`
+            else:
+                self._served.add(id(entry))
+                return result
+            return self._give_up(key, failure, fallback)
         if entries:  # every function this signature has refused the call: another is compiled (said in the record)
             self._note(f"{type(module).__name__}: {len(entries)} function(s) refused a call{refused}")
         if len(entries) >= _MAX_ENTRIES:
@@ -307,19 +231,26 @@ class AheadOfTime:
         self._save(entry, os.path.join(self.folder, f"{key}-{len(entries) - 1}.aot"))
         try:
             result = entry(module, *args, **kwargs)
-        except Exception as error:  # noqa: BLE001 (re-raised unless its first call: `_failed`)
-            return self._failed(key, entry, error, fallback)
-        self._served.add(id(entry))
-        return result
+        except Exception as error:  # re-raised unless its first call failed: `_first_failure`
+            if (failure := self._first_failure(entry, error)) is None:
+                raise  # bare: see `_first_failure`
+        else:
+            self._served.add(id(entry))
+            return result
+        return self._give_up(key, failure, fallback)
 
-    def _failed(self, key: str, entry: Any, error: Exception, fallback: Callable[[], Any]) -> Any:
-        """A function's call raised `error`: a function that has served a call, or memory running out, is the step's
-        error; one that fails its first call (a torch version's bug in loading or running it) falls back to
-        torch.compile, said."""
-        if id(entry) in self._served or isinstance(error, torch.OutOfMemoryError):
-            raise error
+    def _first_failure(self, entry: Any, error: Exception) -> str | None:
+        """Why `entry` gives up to torch.compile after its call raised `error`: it failed its first call (a torch
+        version's bug in loading or running it). None: `error` is the step's (a function that has served a call,
+        memory running out, or checkpointing's signal that a recomputation has what it needs, which passes through
+        every layer's call in backward), and the caller re-raises it with a bare `raise`. Never from a helper holding
+        it: the error's traceback would hold that helper's frame, and the frame the error, a reference cycle keeping
+        every frame's tensors (a layer's inputs and activations) alive until Python's cycle collector ran; on an H200,
+        Qwen3.5-4B's training peak went from 16 to 62 GiB."""
+        if id(entry) in self._served or isinstance(error, (torch.OutOfMemoryError, _RECOMPUTED)):
+            return None
         first_line = (str(error).splitlines() or [""])[0][:200]
-        return self._give_up(key, f"its first call raised {type(error).__name__}: {first_line}", fallback)
+        return f"its first call raised {type(error).__name__}: {first_line}"
 
     def _start(self, key: str, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], dynamic: bool | None,
                mark: Callable[[tuple, dict], None]) -> bool:  # fmt: skip
@@ -350,6 +281,9 @@ class AheadOfTime:
             self._here.add(key)  # its next call loads what the process saved, or compiles here: no second process
             if failure is None:
                 ready += 1
+                continue
+            if _UNSAVEABLE in failure:  # compiling here would fail the same way: torch.compile serves it
+                self._give_up(key, f"the other process: {failure}", lambda: None)
                 continue
             self._warn(
                 f"compile_layers_in_background: the other process did not compile a layer ({failure}); it "

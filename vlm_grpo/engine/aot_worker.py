@@ -15,7 +15,8 @@ import sys
 
 import torch
 
-from .aot_layers import compile_entry, signature_key
+from .aot_keys import signature_key
+from .aot_layers import compile_entry
 from .background_compile import apply_state
 
 __all__ = ["compile_job"]

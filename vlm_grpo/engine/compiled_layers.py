@@ -25,10 +25,9 @@ recomputation, and not for a call given a KV cache (Qwen3.5's prompt-cache scori
 per layer, as the module finds its cache layer by `layer_idx`). Generation (compiled its own way), reference and
 old-policy log-probs (no gradients; they also run while the base weights come back from a merge, each layer waiting on
 a module hook that compiled code would skip: the trainer joins that restore before any forward with gradients) run the
-modules as written. Module hooks
-registered inside these modules after their first training step do not run in the training forward (Dynamo does
-not guard on hooks): `compile_layers=False` for such hooks. Not with reentrant checkpointing, whose first forward
-runs without gradients (eager) and whose recomputation would then run compiled: a dropout would draw another mask.
+modules as written. Module hooks registered inside these modules after their first training step do not run in the
+training forward (Dynamo does not guard on hooks): `compile_layers=False` for such hooks. Not with reentrant
+checkpointing, whose first forward runs without gradients (eager) and whose recomputation would then run compiled.
 
 Linear-attention layers (Qwen3.5's gated delta net, `linear_attn`) are compiled too when asked
 (`compile_linear_attention`): their projections, gates and gated norm, with the short causal convolution and the
@@ -57,7 +56,7 @@ from transformers import TrainerCallback
 from ..families import core_model
 from ..integrations.unsloth import uses_unsloth
 from ..models.modes import checkpointing_mode
-from .aot_layers import AheadOfTime, ahead_of_time, in_background, no_marks
+from .aot_layers import AheadOfTime, ahead_of_time, in_background, no_marks, traced
 from .prefix_cache import serves
 from .quantized_generation import is_quantized_linear
 
@@ -358,7 +357,8 @@ class _TrainingForward:
     def _compiled_call(self, forward: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
         if self.shapes == "length":
             _mark_length_dynamic(args, kwargs)
-        return _compiled(forward, SHAPE_MODES[self.shapes], self.whole)(self.module, *args, **kwargs)
+        with traced():
+            return _compiled(forward, SHAPE_MODES[self.shapes], self.whole)(self.module, *args, **kwargs)
 
     def _split(self, forward: Any) -> Any:
         """Give this whole layer's children their own compiled forwards (once) and return the layer's eager forward.
