@@ -27,7 +27,7 @@ old-policy log-probs (no gradients; they also run while the base weights come ba
 a module hook that compiled code would skip: the trainer joins that restore before any forward with gradients) run the
 modules as written. Module hooks registered inside these modules after their first training step do not run in the
 training forward (Dynamo does not guard on hooks): `compile_layers=False` for such hooks. Not with reentrant
-checkpointing, whose first forward runs without gradients (eager) and whose recomputation would then run compiled.
+checkpointing: its first forward runs without gradients (eager), its recomputation compiled (a dropout: another mask).
 
 Linear-attention layers (Qwen3.5's gated delta net, `linear_attn`) are compiled too when asked
 (`compile_linear_attention`): their projections, gates and gated norm, with the short causal convolution and the
