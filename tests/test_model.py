@@ -229,6 +229,15 @@ def test_from_pretrained_defaults_and_pixel_budget(tiny_dir):
     assert full.dtype == torch.bfloat16 and all(p.requires_grad for p in full.parameters()) and full.training
 
 
+def test_hub_kernels_stay_off_unless_asked_for(tiny_dir):
+    # transformers 5.25 turned them on by default: every switch to generation then re-kernelised the model.
+    model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    assert model.use_kernels is False
+    pytest.importorskip("kernels")
+    asked, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"), use_kernels=True)
+    assert asked.use_kernels is True
+
+
 @pytest.mark.parametrize("family", ["gemma3", "idefics3"])
 def test_a_budget_the_processor_cannot_keep_is_refused(tiny_dir, family):
     # Gemma 3 / Idefics3 processors resize to their own input size: a budget here used to ride on a private attribute

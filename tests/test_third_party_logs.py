@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import vlm_grpo  # noqa: F401 (installs the filters)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,10 +29,32 @@ def test_the_optional_kernels_package_missing_is_not_reported_but_other_causes_a
     assert len(_logged(caplog, RuntimeError("Hub unreachable"))) == 1
 
 
-def test_importing_the_trainer_prints_nothing():
+def test_the_optional_kernel_not_fetched_is_not_reported_but_a_failing_one_is(caplog):
+    # transformers 5.25 installs `kernels`: bitsandbytes then fails to fetch its kernel, offline or with no Hub.
+    repo = "'kernels-community/quantization-bitsandbytes'"
+    offline = ValueError(f"Version 1 of {repo} is not available in the local cache and Hugging Face Hub is in offline")
+    unreachable = ValueError(f"Kernel repository {repo} could not verify publisher trust status. Set trust_remote_code")
+    assert _logged(caplog, offline) == [] and _logged(caplog, unreachable) == []
+    assert len(_logged(caplog, ValueError(f"Kernel repository {repo} is not from a trusted publisher."))) == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kernels._internals.hf_hub"):
+        for repo_id in (repo, "'kernels-community/flash-attn3'"):
+            logging.getLogger("kernels._internals.hf_hub").warning(
+                f"Skipping publisher trust check for {repo_id} because Hugging Face Hub is in offline mode."
+            )
+    assert [r.getMessage() for r in caplog.records] == [
+        "Skipping publisher trust check for 'kernels-community/flash-attn3' because Hugging Face Hub is in offline mode."
+    ]  # a kernel the user asked for keeps its line
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_importing_the_trainer_prints_nothing(offline):
     # PEFT imports bitsandbytes when it is installed (the dev extras install it): its import warning is the case.
+    env = {**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1" if offline else "0"}
+    if not offline:  # online, the Hub unreachable: a port nothing listens on refuses at once
+        env["HF_ENDPOINT"] = "http://127.0.0.1:9"
     proc = subprocess.run([sys.executable, "-c", "import vlm_grpo.training.trainer"], check=False, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
+                          text=True, timeout=300, env=env)  # fmt: skip
     assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == "", proc.stderr
 
 

@@ -3,8 +3,10 @@
 bitsandbytes (imported by PEFT whenever it is installed, as with `pip install 'vlm-grpo[dev]'`) looks, on CPUs with
 AVX512-BF16, for an optional faster 4-bit kernel in the `kernels` package and warns at import when that package is
 not installed: "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'". Its own CPU
-kernel serves instead, so nothing is wrong; yet it was the first line of every command. Only that case is dropped:
-the same warning for any other cause (`kernels` installed but failing) still shows.
+kernel serves instead, so nothing is wrong; yet it was the first line of every command. transformers 5.25 installs
+`kernels`, and the same warning then says the kernel could not be fetched (not in the local cache with the Hub
+offline, or its publisher unverifiable with the Hub unreachable), after `kernels`' own "Skipping publisher trust
+check" line for it. Those cases are dropped: the warning for any other cause (a fetched kernel failing) still shows.
 
 transformers says once per kernel that Qwen3.5's and LFM2's linear-attention and convolution layers fall back to
 their reference PyTorch code because `flash-linear-attention` / `causal-conv1d` is not installed. Those kernels are
@@ -31,17 +33,31 @@ from collections.abc import Iterator
 __all__ = ["datasets_bars_off", "install", "library_bars_off"]
 
 _BITSANDBYTES_CPU = "bitsandbytes.backends.cpu.ops"
+_KERNELS_HUB = "kernels._internals.hf_hub"
+_BITSANDBYTES_KERNEL = "kernels-community/quantization-bitsandbytes"
+# What `kernels` says when the kernel cannot be fetched: the Hub offline without a cached copy, or unreachable.
+_NOT_FETCHED = ("is not available in the local cache", "could not verify publisher trust status")
 _HUB_KERNELS = "transformers.integrations.hub_kernels"
 _TORCHAO = "torchao"
 _PYTREE = "torch.utils._pytree"
 
 
 def _optional_kernel_missing(record: logging.LogRecord) -> bool:
-    """True (keep the record) unless it is bitsandbytes' warning that the optional `kernels` package is absent."""
+    """True (keep the record) unless it is bitsandbytes' warning that its optional kernel is absent: the `kernels`
+    package not installed, or the kernel not fetched from the Hub."""
     if not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward"):
         return True
     cause = record.args[0] if isinstance(record.args, tuple) and record.args else None
-    return not (isinstance(cause, ModuleNotFoundError) and cause.name == "kernels")
+    if isinstance(cause, ModuleNotFoundError):
+        return cause.name != "kernels"
+    return not (isinstance(cause, ValueError) and any(words in str(cause) for words in _NOT_FETCHED))
+
+
+def _bitsandbytes_trust_check_offline(record: logging.LogRecord) -> bool:
+    """True (keep the record) unless it is `kernels` saying, offline, that it skips the trust check of bitsandbytes'
+    optional kernel (said at every import of bitsandbytes, for a kernel nobody asked for)."""
+    message = record.getMessage()
+    return not (message.startswith("Skipping publisher trust check") and _BITSANDBYTES_KERNEL in message)
 
 
 def _gpu_kernel_advice_without_a_gpu(record: logging.LogRecord) -> bool:
@@ -73,6 +89,7 @@ def install() -> None:
     its import, so `vlm_grpo/__init__.py` calls this."""
     filters = (
         (_BITSANDBYTES_CPU, _optional_kernel_missing),
+        (_KERNELS_HUB, _bitsandbytes_trust_check_offline),
         (_HUB_KERNELS, _gpu_kernel_advice_without_a_gpu),
         (_TORCHAO, _cuda_extension_without_cuda),
         (_PYTREE, _enum_registration_notice),

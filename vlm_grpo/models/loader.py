@@ -144,7 +144,10 @@ class FastBaseVisionModel:
                 Idefics3) raise ValueError rather than drop it: give those a budget with `VLMGRPOConfig(min_pixels=,
                 max_pixels=)` and `evaluate(...)`. See `vlm_grpo.media.pixel_budget`.
             attn_implementation: "eager", "sdpa", "flash_attention_2"...; None lets transformers choose.
-            **kwargs: passed to `AutoModelForImageTextToText.from_pretrained` (e.g. `revision`, `token`).
+            **kwargs: passed to `AutoModelForImageTextToText.from_pretrained` (e.g. `revision`, `token`). Hub
+                kernels stay off unless `use_kernels=True` or a `kernel_config` is passed: transformers >= 5.25 turns
+                them on by default, which fetches kernels from the Hub at load and swaps layers' forwards at every
+                switch between training and generation; the engine's numbers are measured without them.
         """
         from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -188,6 +191,7 @@ class FastBaseVisionModel:
             )
         dtype = _resolve_dtype(dtype)
         load_kwargs: dict[str, Any] = dict(dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
+        load_kwargs.setdefault("use_kernels", load_kwargs.get("kernel_config") is not None)  # 5.25's default is on
         if attn_implementation is not None:
             load_kwargs["attn_implementation"] = attn_implementation
         if device_map is None and torch.cuda.is_available():
