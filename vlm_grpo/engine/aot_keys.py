@@ -5,7 +5,8 @@ torch drops a saved function's guards on global names (the functions a layer's c
 `apply_rotary_pos_emb`, the attention registry, PEFT's helpers) and on object identities. So `signature_key` hashes the
 layer's class, its forward's code, its structure (`repr`: every submodule's class and sizes), which object each function
 and class name of those submodules' Python modules holds (a library's patch changes it), the call's signature (argument
-names; tensors' dtypes, devices, ranks and whether they require grad; other arguments' values) and autocast. Every
+names; tensors' dtypes, devices, ranks and whether they require grad; other arguments' values), autocast, and which
+forward each of the layer's hub-kernel wrappers runs (`engine.kernel_wrappers`). Every
 part is the same in every process (no memory addresses, no hash seeds): another process compiles what this one loads.
 """
 
@@ -19,6 +20,8 @@ import weakref
 from typing import Any
 
 import torch
+
+from .kernel_wrappers import wrapped_function, wrapper_forwards
 
 __all__ = ["signature_key"]
 
@@ -66,6 +69,7 @@ def _module_globals(name: str) -> str:
     for key, value in sorted(vars(sys.modules[name]).items()) if name in sys.modules else ():
         # Not dunder names: Dynamo puts its compiled frames there (`__compiled_fn_<n>_<uuid>`, `__resume_at_...`).
         if callable(value) and not key.startswith("__"):
+            value = wrapped_function(value) or value  # a hub-kernel wrapper by what it wraps (`engine.kernel_wrappers`)
             try:
                 code = _code(value)
             except TypeError:  # an unhashable callable object: its name and type stand for it
@@ -108,6 +112,7 @@ def signature_key(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) 
     device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
     state = (torch.is_autocast_enabled(device), str(torch.get_autocast_dtype(device)),
              torch.are_deterministic_algorithms_enabled(), str(torch.get_default_dtype()))  # fmt: skip
-    parts = (_structure(module), state, [_describe(a) for a in args],
+    # Not in `_structure`'s hash: `kernelize` swaps the wrappers' forwards at every change of mode.
+    parts = (_structure(module), wrapper_forwards(module), state, [_describe(a) for a in args],
              sorted((k, repr(_describe(v))) for k, v in kwargs.items()))  # fmt: skip
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:20]

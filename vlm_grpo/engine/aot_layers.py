@@ -40,6 +40,7 @@ import torch.utils.checkpoint
 
 from .aot_keys import signature_key
 from .background_compile import BackgroundCompiles, aliases
+from .kernel_wrappers import name_wrappers
 
 __all__ = ["AheadOfTime", "ahead_of_time", "compile_entry", "in_background", "no_marks", "traced"]
 
@@ -48,8 +49,8 @@ logger = logging.getLogger(__name__)
 _MAX_ENTRIES = 8  # per signature, as Dynamo's recompile limit per frame
 _GUARD_FAILED = "GuardManager check failed"  # how a loaded function refuses a call
 # How torch refuses to save a function whose guards hold an object of a class defined in a function. transformers
-# 5.25 (with `kernels`, its dependency since) makes most decoders' `apply_rotary_pos_emb` such an object (a hub-kernel
-# wrapper), so their whole layers and attention fall back to torch.compile, said.
+# 5.25's hub-kernel wrappers are such objects: `engine.kernel_wrappers` names their classes; any other such class
+# falls back to torch.compile, said.
 _UNSAVEABLE = "since it's defined in local scope"
 _EVENTS = 20  # `AheadOfTime.events` kept
 # What non-reentrant checkpointing raises out of a layer's recomputation once it has every tensor backward needs
@@ -149,6 +150,7 @@ def compile_entry(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], 
     # Marks go on aliases, not on tensors other layers' calls share (a loaded function refuses a tensor marked dynamic).
     example_args, example_kwargs = aliases(args), {k: aliases(v) for k, v in kwargs.items()}
     mark(example_args, example_kwargs)
+    name_wrappers(module)  # else torch cannot save the guards on their classes
     with warnings.catch_warnings():  # Dynamo's guards read `.grad` of the non-leaf inputs: a UserWarning
         warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
         # `aot_compile` exists only with this on: torch 2.13's default, not 2.11's (the GPU machine's), where every
