@@ -60,12 +60,16 @@ def test_setup_takes_a_newcomer_from_clone_to_the_demo():
 
 def test_ci_runs_the_readme_test_command():
     commands = re.search(r"```bash\n(.*?)```", _readme(), re.DOTALL).group(1)
-    test_command = next(line for line in commands.splitlines() if "pytest" in line)
+    test_commands = [line for line in commands.splitlines() if "python -m pytest" in line]
     with open(os.path.join(ROOT, ".ci", "run")) as f:
         ci = f.read()
     assert re.search(r"pip install (-q )?torch==2\.13\.0", ci)
-    pytest = test_command[test_command.index("python -m pytest") :].strip()
-    assert pytest.startswith("python -m pytest -q") and f"\n{pytest}\n" in ci
+    assert [c[c.index("python -m pytest") :].strip() for c in test_commands] == [
+        'python -m pytest -q -n 2 -m "not slow" --durations=20',  # the main suite
+        "python -m pytest -q -n 2 -m slow --durations=10",  # the slow tier: nothing is left out of CI
+    ]
+    for command in test_commands:
+        assert f"\n{command[command.index('python -m pytest') :].strip()}\n" in ci
 
 
 def test_the_readme_lists_every_tiny_model_name():
