@@ -46,7 +46,7 @@ def name_wrappers(module: nn.Module) -> None:
     """Name the local wrapper classes whose instances the Python modules of `module`'s parts hold by name (idempotent;
     the wrappers work as before: `kernels` names them by their layer name, never by their class's name)."""
     for source in sorted({type(m).__module__ for m in module.modules()}):
-        for attribute, value in list(vars(sys.modules.get(source, object())).items()):
+        for attribute, value in list(getattr(sys.modules.get(source), "__dict__", {}).items()):
             kind = type(value)
             if _is_wrapper(value) and "<locals>" in kind.__qualname__:
                 kind.__module__ = __name__
