@@ -99,7 +99,9 @@ def test_a_step_that_compiled_freezes_again_and_others_do_not():
         return not any(o is kept for o in gc.get_objects())
 
     callback.on_step_end(None, state, None)  # nothing compiled: no new freeze
-    assert gc.get_freeze_count() == first and not frozen()
+    # `<=`: a frozen object that dies leaves the permanent generation (CI once saw the count fall by 2 here); a freeze
+    # would have taken `kept` with it
+    assert gc.get_freeze_count() <= first and not frozen()
     torch.compile(lambda x: x * 3 + 1)(torch.ones(3))
     callback.on_step_end(None, state, None)  # compiled: frozen again, the new object with it
     assert gc.get_freeze_count() > first and frozen()
