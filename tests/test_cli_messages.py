@@ -243,15 +243,20 @@ def _interrupted(tmp_path, args: list[str], ready) -> subprocess.CompletedProces
     import time
 
     exe, env = _console_script()
-    proc = subprocess.Popen([exe, *args], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    # faulthandler: a run that does not stop is made to print every thread's stack (SIGABRT) before the test fails
+    proc = subprocess.Popen([exe, *args], env={**env, "PYTHONFAULTHANDLER": "1"}, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 300
         while not ready():
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            raise AssertionError(f"still running 120 s after Ctrl-C:\n{proc.communicate()[1][-6000:]}") from None
     finally:
         proc.kill()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

@@ -82,10 +82,62 @@ def test_merged_export_keeps_a_trained_modules_to_save_copy(tiny_dir, tmp_path):
     torch.testing.assert_close(reloaded, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_dora_adapters_are_refused_not_merged_wrong(tiny_dir, tmp_path):
-    # Adding DoRA's delta without its magnitude rescaling would write a model that is not the trained one.
+def _trained_like(model) -> None:
+    """Every LoRA tensor (A, B, DoRA magnitudes, trained biases) moved off its initial value, as training moves it."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.add_(0.05 * torch.randn_like(param))
+
+
+def _logits(model, processor) -> torch.Tensor:
+    inputs = processor(text=["<|im_start|>user\nhi there<|im_end|>\n"], return_tensors="pt")
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+QKV = {"target_modules": ["q_proj", "k_proj", "v_proj"]}  # Qwen2's attention projections with a bias
+
+
+EMBEDDING = {"target_modules": ["embed_tokens", "q_proj"]}  # an Embedding's LoRA: its own lora_embedding_A / B
+
+
+@pytest.mark.parametrize("kwargs", [{"use_dora": True}, {"lora_bias": True, **QKV}, EMBEDDING])  # DoRA + bias: refused
+def test_dora_and_trained_biases_merge_as_peft_merges_them(tiny_dir, tmp_path, kwargs):
+    # DoRA rescales each merged row by its magnitude vector, and `lora_bias` trains a bias: adding the delta alone
+    # (what the export did for every adapter) writes a model that is not the trained one.
+    import copy
+
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(0)
     model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
-    model = FastVisionModel.get_peft_model(model, r=4, use_dora=True)
-    with pytest.raises(NotImplementedError, match=r"DoRA.*merge_and_unload"):
+    model = FastVisionModel.get_peft_model(model, r=4, **kwargs)
+    FastVisionModel.for_inference(model)
+    _trained_like(model)
+    expected = _logits(model, processor)
+    merged = copy.deepcopy(model).merge_and_unload().state_dict()
+    out = FastVisionModel.save_pretrained_merged(model, processor, tmp_path / "merged", dtype=torch.float32)
+    reloaded = AutoModelForImageTextToText.from_pretrained(out).eval()
+    for name, tensor in reloaded.state_dict().items():  # PEFT's own merge, tensor by tensor
+        torch.testing.assert_close(tensor, merged[name], atol=1e-6, rtol=1e-5, msg=name)
+    torch.testing.assert_close(_logits(reloaded, processor), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_logits(model, processor), expected)  # the live model is untouched
+
+
+def test_an_adapter_variant_the_export_cannot_merge_is_refused_not_merged_wrong(tiny_dir, tmp_path):
+    # DoRA on an embedding: a variant `merged_state_dict` does not merge; nothing half-written.
+    from peft import LoraConfig, get_peft_model
+
+    model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["embed_tokens"], use_dora=True))
+    with pytest.raises(
+        NotImplementedError, match=r"embed_tokens is a DoraEmbedding adapter \(default\).*merge_and_unload"
+    ):
         FastVisionModel.save_pretrained_merged(model, processor, tmp_path / "merged")
-    assert not (tmp_path / "merged").exists()  # nothing half-written
+    # A bias trained on a layer without one: no place for it in the checkpoint.
+    model, processor = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl"))
+    model = FastVisionModel.get_peft_model(model, r=4, lora_bias=True, target_modules=["o_proj"])
+    with pytest.raises(NotImplementedError, match=r"o_proj trained a bias \(lora_bias=True.*model.save_pretrained"):
+        FastVisionModel.save_pretrained_merged(model, processor, tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()

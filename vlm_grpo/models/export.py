@@ -23,6 +23,56 @@ from ..third_party_logs import library_bars_off
 __all__ = ["atomic_directory", "merged_state_dict", "write_checkpoint"]
 
 
+def _merged_weight(name: str, module: Any, base: torch.Tensor) -> torch.Tensor:
+    """`base` (the layer's dequantised fp32 weight) with each active adapter of the LoRA layer `module` merged in, as
+    PEFT's `merge` does: plain LoRA adds its delta; DoRA (linear layers) rescales each output row of `base + delta` to
+    its magnitude vector, the norm taken with the unmerged base weight as its forward takes it. Any other variant is
+    refused: adding its delta alone would write a model that is not the trained one."""
+    from peft.tuners.lora.variants import DoraLinearVariant
+    from peft.utils.other import transpose
+
+    weight = base
+    for adapter in module.active_adapters:
+        if adapter not in module.lora_A and adapter not in getattr(module, "lora_embedding_A", {}):  # an Embedding's
+            continue
+        delta = module.get_delta_weight(adapter).float().to(base.device)
+        variant = getattr(module, "lora_variant", {}).get(adapter)
+        if variant is None:
+            weight = weight + delta
+        elif type(variant) is DoraLinearVariant:
+            magnitude = module.lora_magnitude_vector[adapter]
+            norm = magnitude.get_weight_norm(base, transpose(delta, module.fan_in_fan_out), scaling=1)
+            factor = transpose((magnitude.weight.float().to(base.device) / norm).view(-1, 1), module.fan_in_fan_out)
+            weight = factor * (weight + delta)
+        else:
+            raise NotImplementedError(
+                f"{name} is a {type(variant).__name__.removesuffix('Variant')} adapter ({adapter}), which "
+                "save_pretrained_merged does not merge. Merge it with PEFT on a copy instead: "
+                "`copy.deepcopy(model).merge_and_unload().save_pretrained(path)`."
+            )
+    return weight
+
+
+def _merged_bias(name: str, module: Any, layer: nn.Module) -> torch.Tensor | None:
+    """The base layer's bias with each active adapter's trained bias (`lora_bias=True`) added, as PEFT's `merge`
+    adds it; None where the layer has none (refused where an adapter trained one: the checkpoint has no place for
+    it)."""
+    bias = getattr(layer, "bias", None)
+    trained = [a for a in module.active_adapters if getattr(module, "lora_bias", {}).get(a) and a in module.lora_B]
+    if bias is None and trained:
+        raise NotImplementedError(
+            f"{name} trained a bias (lora_bias=True, adapter {trained[0]}) but its base layer has none, so a merged "
+            "checkpoint has no place for it. Save the adapter instead (model.save_pretrained(path))."
+        )
+    if bias is None:
+        return None
+    bias = bias.float()
+    for adapter in module.active_adapters:
+        if getattr(module, "lora_bias", {}).get(adapter) and adapter in module.lora_B:
+            bias = bias + module.lora_B[adapter].bias.float().to(bias.device) * module.scaling[adapter]
+    return bias
+
+
 def merged_state_dict(model: nn.Module, dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
     """State dict of the base model with every active LoRA delta added to its weight, cast to `dtype`.
 
@@ -58,22 +108,14 @@ def merged_state_dict(model: nn.Module, dtype: torch.dtype = torch.float16) -> d
                 continue
             prefix = f"{name}." if name else ""
             if isinstance(module, LoraLayer):
-                if any(getattr(module, "use_dora", {}).get(a) for a in module.active_adapters):
-                    # DoRA rescales each merged column by its magnitude vector; adding the delta alone would write a
-                    # checkpoint that silently differs from the trained model.
-                    raise NotImplementedError(
-                        f"{name} is a DoRA adapter, which save_pretrained_merged does not merge. Merge it with PEFT "
-                        "on a copy instead: `copy.deepcopy(model).merge_and_unload().save_pretrained(path)`."
-                    )
                 layer = module.get_base_layer()
-                weight = dequantize_module_weight(layer).float()
-                for adapter in module.active_adapters:
-                    if adapter in module.lora_A:
-                        weight = weight + module.get_delta_weight(adapter).float().to(weight.device)
+                weight = _merged_weight(name, module, dequantize_module_weight(layer).float())
                 replaced.add(id(layer.weight))
                 state[prefix + "weight"] = cast(weight)
-                if getattr(layer, "bias", None) is not None:
-                    put(prefix + "bias", layer.bias)
+                bias = _merged_bias(name, module, layer)
+                if bias is not None:
+                    replaced.add(id(layer.bias))
+                    state[prefix + "bias"] = cast(bias)
                 skip_prefixes.append(prefix)
                 continue
             if isinstance(module, ModulesToSaveWrapper):
