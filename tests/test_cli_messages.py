@@ -296,6 +296,33 @@ def test_ctrl_c_is_one_line_naming_the_step_and_what_is_left_and_a_rerun_never_o
     assert match and int(match[2]) >= 2 and int(match[2]) <= int(match[1]), last
 
 
+@pytest.mark.trains
+def test_a_ctrl_c_that_a_reward_swallowed_still_stops_the_run_at_the_end_of_its_step(tmp_path):
+    # A reward function with a bare `except:` caught the KeyboardInterrupt of a Ctrl-C pressed while it ran, and the
+    # run trained on to its last step as if nothing had been pressed.
+    _shapes_csv(tmp_path, rows=30)
+    (tmp_path / "my_rewards.py").write_text(
+        "import os, signal\n"
+        "calls = []\n"
+        "def shape_choice(prompts, completions, answer, **kwargs):\n"
+        "    calls.append(1)\n"
+        "    try:\n"
+        "        if len(calls) == 3:\n"
+        "            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, pressed while the reward runs\n"
+        "        texts = [c if isinstance(c, str) else c[-1]['content'] for c in completions]\n"
+        "        return [float(t.split()[:1] == [a]) for t, a in zip(texts, answer)]\n"
+        "    except:  # noqa: E722 (what the test is about)\n"
+        "        return [0.0] * len(completions)\n"
+    )
+    args = ["--dataset", "shapes.csv", "--reward_funcs", "my_rewards:shape_choice", "--output_dir", "run",
+            *TINY_RUN[2:], "--max_steps", "40"]  # fmt: skip
+    proc = vlm_grpo(*args, cwd=tmp_path)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    match = re.fullmatch(r"vlm-grpo: stopped at step (\d+) of 40; checkpoints: none .*", last)
+    assert match and int(match[1]) <= 3, last  # the step in which the reward ran its third time
+
+
 @pytest.mark.parametrize("offline", [True, False])
 def test_the_gpu_recipe_on_a_cpu_without_the_model_says_so_first_and_offers_the_tiny_model(tmp_path, offline):
     # Issue 46 (6): it first said "4-bit loading needs bitsandbytes"; the Hub message came only after

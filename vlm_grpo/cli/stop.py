@@ -48,8 +48,11 @@ def stops_as(trainer: Any, output_dir: str, trained: bool) -> Iterator[None]:
     printed next starts a line of its own)."""
     from transformers import ProgressCallback
 
+    from .ctrl_c import remembered
+
     try:
-        yield
+        with remembered(trainer):  # a Ctrl-C swallowed inside a step (a reward's bare `except:`) raised at its end
+            yield
     except KeyboardInterrupt as interrupt:
         for callback in trainer.callback_handler.callbacks:
             if isinstance(callback, ProgressCallback) and callback.training_bar is not None:
