@@ -217,3 +217,29 @@ def test_a_clip_file_named_by_repeated_rows_is_decoded_once(tmp_path):
     clips = [row["prompt"][0]["content"][0]["video"] for row in rows]
     assert all(clip is clips[0] for clip in clips) and list(memo) == [path]
     assert prepare_row({"prompt": "<video>?", "video": path})["prompt"][0]["content"][0]["video"] is not clips[0]
+
+
+def test_an_images_column_of_single_images_counts_one_image_per_row():
+    # `Dataset.from_dict({"images": [pil, pil]})` stores one image per row (an `Image` feature, not a list): each row
+    # has one image, not the two keys of its undecoded `{"bytes", "path"}` dict.
+    dataset = Dataset.from_dict({"prompt": ["<image> What colour?"] * 2, "images": [_img(), _img((0, 0, 255))]})
+    assert len(check_dataset(dataset)[0]) == 2
+    chat = [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}]] * 2
+    assert len(check_dataset(Dataset.from_dict({"prompt": chat, "images": [_img(), _img()]}))[0]) == 2
+
+
+def test_image_placeholders_in_chat_message_strings_place_the_images():
+    # LLaVA-style conversations: `<image>` written in a message's string content marks where the image goes. Left as
+    # text, TRL would put the images before it and the model would read a literal `<image>` (or, for processors whose
+    # image token is `<image>`, get one image token too many).
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Compare <image> with <image>."}]
+    row = prepare_row({"prompt": prompt, "images": [_img(), _img((0, 0, 255))]})
+    assert row["prompt"][0] == {"role": "system", "content": "Be brief."}
+    assert row["prompt"][1]["content"] == [{"type": "text", "text": "Compare "}, {"type": "image"},
+                                           {"type": "text", "text": " with "}, {"type": "image"},
+                                           {"type": "text", "text": "."}]  # fmt: skip
+    assert len(check_dataset(Dataset.from_list([{"prompt": prompt, "images": [_img(), _img()]}]))[0]) == 1
+    with pytest.raises(ValueError, match=r"row 0: the prompt has 2 image placeholder\(s\).*but the row has 1 image"):
+        check_dataset(Dataset.from_list([{"prompt": prompt, "images": [_img()]}]))
+    with pytest.raises(ValueError, match=r"row 0: the prompt has image placeholders but the dataset has no `image`"):
+        check_dataset(Dataset.from_list([{"prompt": prompt}]))

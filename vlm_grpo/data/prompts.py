@@ -25,6 +25,7 @@ __all__ = [
     "count_blocks",
     "count_placeholders",
     "place_media",
+    "place_placeholders",
     "user_content",
     "with_system",
 ]
@@ -61,6 +62,25 @@ def user_content(text: str, n_images: int = 0, n_videos: int = 0) -> str | list[
         elif part:
             content.append({"type": "text", "text": part})
     return content
+
+
+def place_placeholders(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages with the `<image>` / `<video>` placeholders written in their string contents turned into blocks
+    there (`user_content`), as a string prompt's are; messages without placeholders are returned as they are.
+
+    LLaVA-style conversations mark an image's place with `<image>` in a message's text. Left as text, TRL would put the
+    images before the first user message and the model would read a literal `<image>` (and a processor whose image
+    token is `<image>` would find one image token too many).
+
+    >>> place_placeholders([{"role": "user", "content": "<image> What is it?"}])
+    [{'role': 'user', 'content': [{'type': 'image'}, {'type': 'text', 'text': ' What is it?'}]}]
+    """
+    return [
+        {**m, "content": user_content(m["content"])}
+        if isinstance(m, dict) and isinstance(m.get("content"), str) and _SPLIT.search(m["content"])
+        else m
+        for m in messages
+    ]
 
 
 def count_blocks(messages: Any, kind: str) -> int:

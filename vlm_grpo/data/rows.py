@@ -40,7 +40,15 @@ from ..media.columns import (
 from ..media.pixel_budget import fed_size
 from ..media.row_media import load_row_media
 from ..rewards.checks import ROW_ORIGIN, RewardFunctionError
-from .prompts import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, count_blocks, count_placeholders, place_media, user_content
+from .prompts import (
+    IMAGE_PLACEHOLDER,
+    VIDEO_PLACEHOLDER,
+    count_blocks,
+    count_placeholders,
+    place_media,
+    place_placeholders,
+    user_content,
+)
 
 if TYPE_CHECKING:
     from ..media.pixel_budget import PixelBudget
@@ -104,7 +112,9 @@ def _check_prompt(prompt: Any, n_images: int, index: int, name: str, n_videos: i
             f"{name} row {index}: `prompt` must be a string or a list of chat messages "
             f"({{'role': ..., 'content': ...}}), got {type(prompt).__name__}."
         )
-    # String contents get the images put before the first user text (TRL); structured contents must place each.
+    # `<image>` written in a message's text places an image there, as in a string prompt (`place_placeholders`);
+    # other string contents get the images put before the first user text (TRL); structured contents place each.
+    prompt = place_placeholders(prompt)
     structured = any(isinstance(message.get("content"), list) for message in prompt)
     for kind, count, noun in (("image", n_images, "image(s)"), ("video", n_videos, "clip(s)")):
         placeholders = count_blocks(prompt, kind)
@@ -120,7 +130,7 @@ def _placeholders(prompt: Any, kind: str) -> int:
     """`kind` ("image" / "video") placeholders of a prompt: `<image>` / `<video>` in a string, blocks in messages."""
     if isinstance(prompt, str):
         return count_placeholders(prompt)[kind == "video"]
-    return count_blocks(prompt, kind) if is_chat(prompt) else 0
+    return count_blocks(place_placeholders(prompt), kind) if is_chat(prompt) else 0
 
 
 def _is_image_feature(feature: Any) -> bool:
@@ -250,6 +260,8 @@ def prepare_row(
     row = {k: v for k, v in row.items() if k not in IMAGE_COLUMNS + VIDEO_COLUMNS}
     row[_SOURCE] = source
     prompt = row.get("prompt")
+    if is_chat(prompt):  # `<image>` / `<video>` in messages' text mark where the media go, as in a string prompt
+        prompt = row["prompt"] = place_placeholders(prompt)
     if media.video_column is None:
         row["images"] = media.images
         if isinstance(prompt, str):
