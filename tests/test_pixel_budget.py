@@ -92,3 +92,22 @@ def test_a_budget_for_one_call_is_put_back(tiny_dir) -> None:
     with pixel_budget_for_call(processor, max_pixels=before[0] * 4) as budget:
         assert processor_pixel_budget(processor) == (before[0], before[0] * 4) == (budget.min_pixels, budget.max_pixels)
     assert processor_pixel_budget(processor) == before
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_images_the_processor_refuses_are_skipped_before_training(tiny_dir, family, caplog) -> None:
+    # Qwen-VL's smart_resize raises for an aspect ratio over 200:1; found at a batch, it would end the run there.
+    from datasets import Dataset
+
+    from vlm_grpo.data.rows import check_dataset
+
+    budget = apply_pixel_budget(load_processor(tiny_dir(family), family), log=False)
+    sizes = [(64, 64), (20000, 50), (64, 64), (300, 20000 // 300)]  # the last, 300x66, is a fine elongated image
+    dataset = Dataset.from_dict({"prompt": ["q"] * 4, "image": [Image.new("RGB", size) for size in sizes]})
+    with caplog.at_level("WARNING"):
+        checked, skipped = check_dataset(dataset, pixel_budget=budget)
+    assert len(checked) == 3 and skipped.indices == [1]
+    assert "20000x50" in skipped.reasons[0] and "aspect ratio" in skipped.reasons[0] and "crop" in skipped.reasons[0]
+    assert all(budget.fit(image).size for image in checked["image"])  # what is left, the processor takes
+    # A budget of our own (Gemma 3, Idefics3) refuses nothing: those processors take any shape.
+    assert len(check_dataset(dataset, pixel_budget=PixelBudget(max_pixels=40 * 40))[0]) == 4

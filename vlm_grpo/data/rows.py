@@ -173,7 +173,12 @@ def _refuse_misnamed_image_column(dataset: Any, columns: list[str], name: str) -
 
 
 def check_dataset(
-    dataset: Any, name: str = "train_dataset", *, check_images: bool = True, skip_bad_rows: bool = True
+    dataset: Any,
+    name: str = "train_dataset",
+    *,
+    check_images: bool = True,
+    skip_bad_rows: bool = True,
+    pixel_budget: PixelBudget | None = None,
 ) -> tuple[Any, SkippedRows]:
     """Validate a dataset before training; return `(dataset, skipped)` with unreadable-image / clip rows removed.
 
@@ -186,6 +191,8 @@ def check_dataset(
             checks only that image and clip files exist.
         skip_bad_rows: drop rows whose images or clips are missing or cannot be read (logged, counted in `skipped`;
             more than `MAX_BAD_FRACTION` of the rows is refused); False raises at the first instead.
+        pixel_budget: the budget images are fed with; with `check_images`, an image its processor would refuse (a
+            Qwen-VL image over 200:1) counts as unreadable, found here rather than at the batch that holds it.
     """
     if dataset is None:
         return dataset, SkippedRows()
@@ -222,9 +229,9 @@ def check_dataset(
         _check_prompt(row["prompt"], len(images), index, name, len(clips))
     if column is None and clip_column is None:
         return dataset, SkippedRows()
-    return drop_unreadable_rows(
-        dataset, column, name, clip_column=clip_column, decode=check_images, skip_bad_rows=skip_bad_rows
-    )
+    refusal = pixel_budget.refusal if pixel_budget is not None else None
+    return drop_unreadable_rows(dataset, column, name, clip_column=clip_column, decode=check_images,
+                                skip_bad_rows=skip_bad_rows, image_refusal=refusal)  # fmt: skip
 
 
 def prepare_row(

@@ -12,6 +12,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from ..third_party_logs import datasets_bars_off
@@ -51,6 +52,7 @@ def drop_unreadable_rows(
     skip_bad_rows: bool = True,
     row_names: Sequence[str] | None = None,
     stop_hint: str = "skip_bad_rows=False",
+    image_refusal: Callable[[int, int], str | None] | None = None,
 ) -> tuple[Any, SkippedRows]:
     """`(dataset, skipped)`: the rows whose images in `column` or clips in `clip_column` are missing or cannot be
     read dropped, logged and counted. One policy for all: skipped while they are at most `MAX_BAD_FRACTION` of the
@@ -64,6 +66,8 @@ def drop_unreadable_rows(
         skip_bad_rows: False raises at the first bad row instead of skipping it.
         row_names: what messages call each row (e.g. `line 7` of a JSON Lines file); default `row <index>`.
         stop_hint: how the user turns skipping off, named in the skip message (`--no_skip_bad_rows` from the CLI).
+        image_refusal: why the model's processor would refuse a decoded image of a size, or None
+            (`PixelBudget.refusal`); asked only with `decode`, so such a row is skipped like an unreadable one.
 
     Raises:
         ImageError / VideoError: a bad row with `skip_bad_rows=False`; more than `MAX_BAD_FRACTION` of the rows bad.
@@ -73,7 +77,8 @@ def drop_unreadable_rows(
     for index, row in enumerate(raw.select_columns([c for c in (column, clip_column) if c])):
         where = row_names[index] if row_names is not None else f"row {index}"
         # By the column's own name: a row of `file` or `photo` holds its images there, not under `image`.
-        media = [("image", m, _image_problem, ImageError) for m in (column_media(row, column) if column else [])]
+        image_problem = partial(_image_problem, refusal=image_refusal)
+        media = [("image", m, image_problem, ImageError) for m in (column_media(row, column) if column else [])]
         media += [("clip", m, _clip_problem, VideoError) for m in (row_clips(row) if clip_column else [])]
         positions = {"image": 0, "clip": 0}
         for kind, value, problem_of, error_type in media:
@@ -132,16 +137,17 @@ def undecoded(dataset: Any, column: str | None) -> Any:
         return dataset.cast_column(column, undecoded_feature)
 
 
-def _image_problem(image: Any, decode: bool) -> str | None:
-    """Why `image` cannot be used, or None. Without `decode`, only an image stored as a file path is checked, for the
-    file's existence (a cheap `stat`, done even when decoding every image is switched off)."""
+def _image_problem(image: Any, decode: bool, refusal: Callable[[int, int], str | None] | None = None) -> str | None:
+    """Why `image` cannot be used, or None: unreadable, or of a size `refusal` names. Without `decode`, only an image
+    stored as a file path is checked, for the file's existence (a cheap `stat`, done even when decoding every image is
+    switched off)."""
     if not decode and _exists_or_not_a_path(image, os.path.isfile):
         return None
     try:
-        load_image(image)
+        loaded = load_image(image)
     except ImageError as error:
         return str(error)
-    return None
+    return refusal(*loaded.size) if refusal is not None else None
 
 
 def _clip_problem(clip: Any, decode: bool) -> str | None:

@@ -209,6 +209,19 @@ class PixelBudget:
         resample = getattr(self.image_processor, "resample", None)
         return image.resize(size, resample if isinstance(resample, int) else Image.Resampling.BICUBIC)
 
+    def refusal(self, width: int, height: int) -> str | None:
+        """Why the processor would refuse a `width` x `height` image, or None. Qwen-VL's `smart_resize` raises for an
+        aspect ratio over 200:1; the dataset check asks here, so such a row is skipped up front instead of ending the
+        run at the batch that holds it."""
+        if self.image_processor is None:
+            return None
+        try:
+            fed_size(self.image_processor, width, height)
+        except ValueError as error:
+            return (f"the processor cannot take this {width}x{height} image ({error}); crop or pad it to a less "
+                    "elongated shape")  # fmt: skip
+        return None
+
 
 def apply_pixel_budget(
     processor: Any,

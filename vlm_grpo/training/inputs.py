@@ -101,10 +101,13 @@ def reference_on_host_under_fsdp(model: Any, args: Any, peft_config: Any) -> Non
                 "note that model_init_kwargs is ignored is about the policy, which was already loaded.")  # fmt: skip
 
 
-def _checked_datasets(train: Any, evaluation: Any, args: Any) -> tuple[Any, Any, dict[str, SkippedRows]]:
+def _checked_datasets(
+    train: Any, evaluation: Any, args: Any, pixel_budget: PixelBudget
+) -> tuple[Any, Any, dict[str, SkippedRows]]:
     options = {
         "check_images": getattr(args, "check_images", True),
         "skip_bad_rows": getattr(args, "skip_bad_rows", True),
+        "pixel_budget": pixel_budget,  # an image the processor would refuse is skipped now, not met at a batch
     }
     train, skipped = check_dataset(train, "train_dataset", **options)
     skipped_rows = {"train": skipped}
@@ -157,7 +160,7 @@ def prepare_inputs(
     if with_clips:
         check_video_support(processing_class, model)
         refuse_clip_settings(args, kwargs)
-    train_dataset, eval_dataset, skipped_rows = _checked_datasets(train_dataset, eval_dataset, args)
+    train_dataset, eval_dataset, skipped_rows = _checked_datasets(train_dataset, eval_dataset, args, pixel_budget)
     if kwargs.get("peft_config") is None:  # else TRL adds the trainable adapters
         refuse_frozen_model(model)
     reference_on_host_under_fsdp(model, args, kwargs.get("peft_config"))
