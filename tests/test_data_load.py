@@ -186,3 +186,10 @@ def test_parquet_with_encoded_clips_and_a_video_folder_with_splits(tmp_path):
     assert (len(train), len(test)) == (2, 2) and test[1]["video"] == str(folder / "test" / "c1.mp4")
     with pytest.raises(DatasetError, match="no validation/ folder"):
         load_grpo_dataset(str(folder / "train"), eval_split="validation")
+
+
+def test_the_training_split_as_the_held_out_split_is_refused(tmp_path):
+    # `--eval_split train` on a file (one split, train) or a Hub dataset measured accuracy on the rows trained on.
+    path = _jsonl(tmp_path, [{"prompt": f"q{i}", "answer": "a"} for i in range(4)])
+    with pytest.raises(DatasetError, match=r"--eval_split train is the split trained on.*--test_size"):
+        load_grpo_dataset(path, eval_split="train")

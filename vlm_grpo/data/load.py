@@ -233,6 +233,9 @@ def load_dataset_rows(
     **columns: Any,
 ) -> DatasetRows:
     """`load_grpo_dataset`, with the columns of yours each role came from (`DatasetRows`)."""
+    if eval_split is not None and eval_split == split:  # the held-out accuracy would be measured on trained rows
+        raise DatasetError(f"--eval_split {eval_split} is the split trained on, so nothing would be held out; name "
+                           "another split, or hold rows out of it with --test_size instead.")  # fmt: skip
     media = {"image_column": columns.get("image_column"), "video_column": columns.get("video_column")}
     bad_rows = {"decode": check_images, "skip_bad_rows": skip_bad_rows, "stop_hint": stop_hint,
                 "keep_origin": keep_origin}  # fmt: skip
