@@ -403,3 +403,12 @@ def test_a_reward_that_pays_nothing_at_the_start_is_said_once_with_its_likely_ca
     proc = vlm_grpo("--dataset", "shapes.csv", "--reward_funcs", "my_rewards:saw_image", "--test_size", "3",
                     "--output_dir", "paid", *TINY_RUN, cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0 and "paid 0" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_held_out_split_and_a_held_out_share_together_are_refused(tmp_path):
+    # With --eval_split, --test_size was silently ignored: the run held out other rows than the ones asked for.
+    _shapes_csv(tmp_path, rows=4)
+    proc = vlm_grpo("--dataset", "shapes.csv", "--eval_split", "test", "--test_size", "0.2", "--output_dir", "run",
+                    cwd=tmp_path)  # fmt: skip
+    _refused(proc, "--eval_split and --test_size both choose the held-out rows; give one")
+    assert not (tmp_path / "run").exists()

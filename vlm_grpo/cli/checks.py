@@ -131,6 +131,8 @@ def check_args(script: ScriptArguments, config: Any) -> None:
             raise UsageError("--prompt_template must contain {prompt}, where the question goes.")
     elif script.test_size is not None and script.test_size < 0:
         raise UsageError(f"--test_size must be a fraction in (0, 1), a count, or 0, got {script.test_size:g}.")
+    elif script.test_size is not None and script.eval_split is not None:  # else --test_size is silently not used
+        raise UsageError("--eval_split and --test_size both choose the held-out rows; give one.")
     if script.model.startswith(TINY_PREFIX) and script.model[len(TINY_PREFIX) :] not in TINY_FAMILIES:
         raise UsageError(
             f"Unknown tiny family {script.model[len(TINY_PREFIX) :]!r}; choose one of {', '.join(TINY_FAMILIES)}."
