@@ -52,6 +52,21 @@ LETTER_CASES = [
     ("last tag wins", "<answer>A</answer> no wait <answer>C</answer>", "C"),
     ("markdown bold letter", "<answer>**D**</answer>", "D"),
     ("text wrapper in tag", r"<answer>\text{(E)}</answer>", "E"),
+    # a leading "B." is not a commitment when another option follows it
+    ("two options with their text", "<answer>B. cat or C. dog</answer>", None),
+    ("two bracketed options", "<answer>(B) or (C)</answer>", None),
+    ("bracketed options back to back", "<answer>(B)(C)</answer>", None),
+    ("two options after brackets", "<answer>B) cat, C) dog</answer>", None),
+    ("two options after colons", "<answer>B: cat; C: dog</answer>", None),
+    ("dotted letters", "<answer>B. C.</answer>", None),
+    ("dotted letters joined", "<answer>B. or C.</answer>", None),
+    ("one option per line", "<answer>B.\nC.</answer>", None),
+    ("option text naming options", "<answer>D. Both A and B</answer>", "D"),
+    ("option text ending in a capital", "<answer>C. Vitamin D.</answer>", "C"),
+    # a lowercase second letter is still a second option
+    ("lowercase second letter", "<answer>B or c</answer>", None),
+    ("lowercase list", "<answer>B, c</answer>", None),
+    ("letters side by side", "<answer>B c</answer>", None),
 ]
 
 

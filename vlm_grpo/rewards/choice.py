@@ -32,6 +32,15 @@ _NAMED_RES = (
 # "A" and "I" are also an article and a pronoun: "A cat is ...", "I think ...". Followed by a lowercase word they are
 # words, unless that word joins options or says which one is right ("A and C", "A is correct").
 _WORD_AFTER_RE = re.compile(r"\s+(?!(?:and|or|nor|not|vs|is|was|fits|seems|looks)\b)[a-z]")
+# After a leading "B. cat", another option in its own shape: bracketed anywhere, or "C) dog" / "C: dog" / "C. dog"
+# after a separator. "D. Both A and B" and "C. Vitamin D." are option text (a bare letter, or a dotted one at the end).
+_OTHER_OPTION_RES = (
+    re.compile(rf"[(\[]({_L})[)\]]", re.IGNORECASE),
+    re.compile(rf"(?:^|[,;/&\n]|\b(?:or|and|nor|vs)\b)\s*[*_]*(?:({_L})[):]|(?-i:({_L}))\.\s+\S)", re.IGNORECASE),
+)
+# A span that is only letters and joining words ("B or c", "B, c", "C.") names them all, in any case.
+_LIST_WORDS = frozenset({"or", "and", "nor", "vs", "option", "options", "choice", "choices"})
+_ABBREVIATION_RE = re.compile(r"\b(?:i\.\s?e|e\.\s?g)\b\.?", re.IGNORECASE)
 
 
 def _named_letters(span: str) -> set[str]:
@@ -43,6 +52,19 @@ def _named_letters(span: str) -> set[str]:
                 continue
             letters.add(letter)
     return letters
+
+
+def _listed_letters(span: str) -> set[str]:
+    """The letters of a span made only of option letters and joining words ("B or c" -> {B, C}), else empty."""
+    words = [w for w in re.findall(r"[^\W_]+", _ABBREVIATION_RE.sub(" ", span)) if w.lower() not in _LIST_WORDS]
+    return {w.upper() for w in words} if words and all(w.upper() in LETTERS and len(w) == 1 for w in words) else set()
+
+
+def _other_options(rest: str) -> set[str]:
+    """Letters after a leading "B." that read as further options, not as the option's text."""
+    return _listed_letters(rest) | {
+        letter.upper() for p in _OTHER_OPTION_RES for m in p.finditer(rest) for letter in m.groups() if letter
+    }
 
 
 def extract_choice(text: str) -> str | None:
@@ -59,9 +81,10 @@ def extract_choice(text: str) -> str | None:
     if lone:
         return lone.group(1).upper()
     leading = _LEADING_RE.match(span)
-    if leading:
-        return leading.group(1).upper()
-    letters = _named_letters(span)
+    if leading:  # "B. cat": the rest is the option's text, unless it names another option ("B. cat or C. dog")
+        letter = leading.group(1).upper()
+        return letter if _other_options(span[leading.end() :]) <= {letter} else None
+    letters = _named_letters(span) | _listed_letters(span)
     return letters.pop() if len(letters) == 1 else None
 
 
