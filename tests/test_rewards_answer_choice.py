@@ -34,6 +34,9 @@ CASES = [
     ("answer tag over words before it", "<think>a square?</think><answer>triangle</answer>", "triangle", 1.0),
     ("answer marker", "Hmm, a square? Answer: circle", "circle", 1.0),
     ("chat completion", [{"role": "assistant", "content": "triangle [ ["}], "triangle", 1.0),
+    ("a value ruled out is not the answer", "not a circle", "circle", 0.0),
+    ("the value ruled out first is not the answer", "It is not a circle, it is a square", "circle", 0.0),
+    ("the value after the one ruled out is", "It is not a circle, it is a square", "square", 1.0),
 ]
 
 

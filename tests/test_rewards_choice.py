@@ -67,6 +67,11 @@ LETTER_CASES = [
     ("lowercase second letter", "<answer>B or c</answer>", None),
     ("lowercase list", "<answer>B, c</answer>", None),
     ("letters side by side", "<answer>B c</answer>", None),
+    # a letter ruled out is not chosen
+    ("negated letter", "<answer>not B</answer>", None),
+    ("negated bracketed letter", "It is not (B).", None),
+    ("negated option", "<answer>Definitely not option b</answer>", None),
+    ("negation elsewhere", "<answer>B, I am not sure about it</answer>", "B"),
 ]
 
 
@@ -94,6 +99,9 @@ WORD_CASES = [
     ("wrong", "purple", "red", 0.0),
     ("not-this-but-that", "not red, blue", "blue", 0.0),
     ("marker", "Hmm, green? Answer: red", "red", 1.0),
+    ("negated word", "<answer>not red</answer>", "red", 0.0),
+    ("negated in a sentence", "It isn't red.", "red", 0.0),
+    ("negation of something else", "Not sure, but red", "red", 1.0),
 ]
 
 

@@ -31,6 +31,10 @@ _NAMED_RES = (
 )
 # "A" and "I" are also an article and a pronoun: "A cat is ...", "I think ...". Followed by a lowercase word they are
 # words, unless that word joins options or says which one is right ("A and C", "A is correct").
+# A letter ruled out: "not B", "isn't (b)", "not option c". A bare letter is a capital ("not a cat" rules out nothing).
+_RULED_OUT_RE = re.compile(
+    rf"(?:\b(?i:not|never|nor|neither)|n't)\s+(?:(?i:option|choice)\s+(?i:({_L}))\b|[(\[](?i:({_L}))[)\]]|({_L})(?![\w'’]))"
+)
 _WORD_AFTER_RE = re.compile(r"\s+(?!(?:and|or|nor|not|vs|is|was|fits|seems|looks)\b)[a-z]")
 # After a leading "B. cat", another option in its own shape: bracketed anywhere, or "C) dog" / "C: dog" / "C. dog"
 # after a separator. "D. Both A and B" and "C. Vitamin D." are option text (a bare letter, or a dotted one at the end).
@@ -74,9 +78,15 @@ def extract_choice(text: str) -> str | None:
     sentence after "Answer:", else the text after ``</think>``): a lone letter in any case (``b``, ``(b)``,
     ``\\text{B}``), a leading ``B.`` / ``(B)`` / ``B)`` followed by the option's text, else every letter it names
     (bracketed, "option C", or a standalone capital; the article in "A cat" is not a choice). Two distinct letters
-    (``A and C``, ``A, B, C, D``, "C, not B") give None.
+    (``A and C``, ``A, B, C, D``, "C, not B") give None, as does a letter ruled out ("not B").
     """
     span = strip_latex_text(answer_span(text))
+    letter = _chosen_letter(span)
+    ruled_out = {x.upper() for m in _RULED_OUT_RE.finditer(span) for x in m.groups() if x}
+    return None if letter in ruled_out else letter
+
+
+def _chosen_letter(span: str) -> str | None:
     lone = _LONE_RE.fullmatch(span)
     if lone:
         return lone.group(1).upper()
@@ -116,6 +126,20 @@ def _phrase(s: str) -> str:
     return " ".join(w for w in map(_normalize_word, _WORD_RE.findall(_normalize_word(s))) if w)
 
 
+_NEGATIONS = frozenset({"not", "never", "nor", "neither"})
+
+
+def _ruled_out(before: list[str]) -> bool:
+    """Whether the words before a candidate end in a negation ("not", "isn't"; articles skipped: "not a red")."""
+    words = before[:]
+    while words and words[-1] in ("a", "an", "the"):
+        words.pop()
+    if not words:
+        return False
+    # "isn't" is read as the words "isn" and "t".
+    return words[-1] in _NEGATIONS or (words[-1] == "t" and len(words) > 1 and words[-2].endswith("n"))
+
+
 class ChoiceScorer:
     """Scores closed-vocabulary answers (a class, so the reward pickles for TRL's async rollout worker).
 
@@ -132,12 +156,17 @@ class ChoiceScorer:
 
     def mentions(self, text: str) -> list[str]:
         """The candidates the answer names, in order (a phrase counted once where it stands, not as its words)."""
+        return [phrase for phrase, _ in self._mentions(text)]
+
+    def _mentions(self, text: str) -> list[tuple[str, bool]]:
+        """``(candidate, ruled_out)`` in order: ruled out when "not" / "never" / "n't" stands before it ("not red",
+        "isn't a circle"), which names the candidate but does not answer it."""
         words = [w for w in map(_normalize_word, _WORD_RE.findall(strip_latex_text(answer_span(text)))) if w]
         found, i = [], 0
         while i < len(words):
             for n in range(min(self._longest, len(words) - i), 0, -1):
                 if (phrase := " ".join(words[i : i + n])) in self.choices:
-                    found.append(phrase)
+                    found.append((phrase, _ruled_out(words[:i])))
                     i += n
                     break
             else:
@@ -147,19 +176,20 @@ class ChoiceScorer:
     def named(self, text: str) -> str:
         """The answer this scorer reads (what TRL's completions table shows): the first candidate named (``first``),
         else every candidate named, space-separated; "" when none."""
-        found = self.mentions(text)
+        found = self._mentions(text)
         if self.first:
-            return found[0] if found else ""
-        return " ".join(sorted(set(found)))
+            return next((phrase for phrase, ruled_out in found if not ruled_out), "")
+        return " ".join(sorted({phrase for phrase, _ in found}))
 
     def __call__(self, text: str, gold: Any, /, **row: Any) -> float:
         gold_word = _phrase(str(gold))
         if gold_word not in self.choices:
             raise ValueError(f"gold answer {gold!r} is not one of the choices {sorted(self.choices)}.")
-        found = self.mentions(text)
-        if self.first:
-            return 1.0 if found[:1] == [gold_word] else 0.0
-        return 1.0 if set(found) == {gold_word} else 0.0
+        if self.first:  # the first candidate not ruled out: "not a circle, a square" answers square
+            return 1.0 if self.named(text) == gold_word else 0.0
+        # Exactly one candidate named, and not ruled out: "not red" names red but answers something else.
+        found = self._mentions(text)
+        return 1.0 if {phrase for phrase, _ in found} == {gold_word} and not any(r for _, r in found) else 0.0
 
 
 def make_choice_reward(choices: Sequence[str], name: str = "choice_accuracy") -> RewardFunc:
