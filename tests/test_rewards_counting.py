@@ -52,6 +52,15 @@ CASES = [
     ("wrong", "<answer>4</answer>", 3, 0.0),
     ("seventeen is not seven", "seventeen", 7, 0.0),
     ("last tag wins", "<answer>2</answer> recount: <answer>3</answer>", 3, 1.0),
+    # a count ruled out, signed or bounded is not that count
+    ("ruled out", "<answer>not 3</answer>", 3, 0.0),
+    ("ruled out in a sentence", "There aren't 3 dogs.", 3, 0.0),
+    ("negative", "<answer>-3</answer>", 3, 0.0),
+    ("greater than sign", "<answer>>3</answer>", 3, 0.0),
+    ("at least sign", "<answer>≥ 3</answer>", 3, 0.0),
+    ("less than sign", "<answer><3</answer>", 3, 0.0),
+    ("ish", "<answer>3-ish</answer>", 3, 0.0),
+    ("not elsewhere in the sentence", "Not sure, but I count 3 dogs.", 3, 1.0),
 ]
 
 

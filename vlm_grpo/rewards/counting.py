@@ -21,17 +21,21 @@ _WORDS = "|".join(sorted(_WORD_VALUES, key=len, reverse=True))
 _NUMBER_WORD_RE = re.compile(rf"(?<![\w-])({'|'.join(_TENS)})(?:[-\s]({'|'.join(_UNITS[1:10])}))?(?![\w-])|"
                              rf"(?<![\w-])({_WORDS})(?![\w-])", re.IGNORECASE)  # fmt: skip
 _NUM = r"\d+(?:\.\d+)?"
-# Ranges and hedges: "2 or 3", "2-3", "2 to 3", "between 2 and 4", "about 3", "at least 3", "3+", "3 or more".
+# Ranges and hedges: "2 or 3", "2-3", "2 to 3", "between 2 and 4", "about 3", "at least 3", "3+", "3 or more";
+# bounds and rulings-out are not that count either: "> 3", "≥ 3", "not 3", "aren't 3", "3-ish" (a tag's ">" in
+# "<think>3" is no bound).
 _HEDGE_RES = (
     re.compile(rf"{_NUM}\s*(?:-|–|—|/|\bor\b|\bto\b)\s*{_NUM}"),
     re.compile(rf"\bbetween\s+{_NUM}\s+and\s+{_NUM}"),
     re.compile(rf"(?:\b(?:about|around|approximately|approx|roughly|nearly|almost|maybe|perhaps|possibly|probably"
-               rf"|at least|at most|more than|less than|fewer than|over|under|up to|or so)\b|~|≈)\s*{_NUM}"),
-    re.compile(rf"{_NUM}\s*(?:\+|\bor (?:more|fewer|less|so)\b)"),
+               rf"|at least|at most|more than|less than|fewer than|over|under|up to|or so|not|never)\b|n't|[~≈≤≥]|(?<!\w)[<>])"
+               rf"\s*{_NUM}"),
+    re.compile(rf"{_NUM}\s*(?:\+|\bor (?:more|fewer|less|so)\b|-?ish\b)"),
 )  # fmt: skip
 # "none", "no dogs", "there are no ...": a count of zero.
 _ZERO_RE = re.compile(r"\b(?:none|nothing|no(?=\s+[a-z]))\b|^\s*no\W*$")
-_DIGITS_RE = re.compile(rf"(?<![\w.]){_NUM}(?!\w|\.\d)")
+# A minus sign is part of the number ("-3" is no count), so the digits after it are not read as 3.
+_DIGITS_RE = re.compile(rf"(?<![\w.\-−]){_NUM}(?!\w|\.\d)")
 _ASKED_RE = re.compile(
     r"how many\s+((?:[a-z]+\s+){0,3}?[a-z]+?)(?:s|es)?\b(?=\s+(?:are|is|do|does|can|in|on|there)|\?)"
 )
