@@ -33,7 +33,8 @@ _NAMED_RES = (
 # words, unless that word joins options or says which one is right ("A and C", "A is correct").
 # A letter ruled out: "not B", "isn't (b)", "not option c". A bare letter is a capital ("not a cat" rules out nothing).
 _RULED_OUT_RE = re.compile(
-    rf"(?:\b(?i:not|never|nor|neither)|n't)\s+(?:(?i:option|choice)\s+(?i:({_L}))\b|[(\[](?i:({_L}))[)\]]|({_L})(?![\w'’]))"
+    rf"(?:\b(?i:not|never|nor|neither)|n't)\s+"
+    rf"(?:(?i:option|choice)\s+(?i:({_L}))\b|[(\[](?i:({_L}))[)\]]|({_L})(?![\w'’]))"
 )
 _WORD_AFTER_RE = re.compile(r"\s+(?!(?:and|or|nor|not|vs|is|was|fits|seems|looks)\b)[a-z]")
 # After a leading "B. cat", another option in its own shape: bracketed anywhere, or "C) dog" / "C: dog" / "C. dog"

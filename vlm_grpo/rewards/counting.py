@@ -28,7 +28,8 @@ _HEDGE_RES = (
     re.compile(rf"{_NUM}\s*(?:-|–|—|/|\bor\b|\bto\b)\s*{_NUM}"),
     re.compile(rf"\bbetween\s+{_NUM}\s+and\s+{_NUM}"),
     re.compile(rf"(?:\b(?:about|around|approximately|approx|roughly|nearly|almost|maybe|perhaps|possibly|probably"
-               rf"|at least|at most|more than|less than|fewer than|over|under|up to|or so|not|never)\b|n't|[~≈≤≥]|(?<!\w)[<>])"
+               rf"|at least|at most|more than|less than|fewer than|over|under|up to|or so|not|never)\b"
+               rf"|n't|[~≈≤≥]|(?<!\w)[<>])"
                rf"\s*{_NUM}"),
     re.compile(rf"{_NUM}\s*(?:\+|\bor (?:more|fewer|less|so)\b|-?ish\b)"),
 )  # fmt: skip
