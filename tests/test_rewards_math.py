@@ -85,6 +85,25 @@ CASES = [
     ("wrong polynomial", "<answer>x^2 + 2</answer>", "x^2+1", 0.0),
     ("several percentages", "<answer>50% or 60%</answer>", "0.5", 0.0),
     ("empty", "", "7", 0.0),
+    # a value ruled out, bounded or hedged is not that value
+    ("ruled out", "<answer>not 7</answer>", "7", 0.0),
+    ("ruled out in a sentence", "<answer>It isn't 7.</answer>", "7", 0.0),
+    ("upper bound in words", "<answer>less than 7</answer>", "7", 0.0),
+    ("lower bound in words", "<answer>at least 7</answer>", "7", 0.0),
+    ("about", "<answer>about 7</answer>", "7", 0.0),
+    ("approximately in maths", "<answer>approximately $7$</answer>", "7", 0.0),
+    ("or more", "<answer>7 or more</answer>", "7", 0.0),
+    ("trailing plus", "<answer>7+</answer>", "7", 0.0),
+    ("bound sign without a variable", "<answer>< 7</answer>", "7", 0.0),
+    ("neq without a variable", r"<answer>\neq 7</answer>", "7", 0.0),
+    ("bound gold", r"<answer>\neq 7</answer>", r"\neq 7", 1.0),
+    ("not about the value", "Not sure, but the total is 7.", "7", 1.0),
+    ("relation with a variable", "<answer>x < 7</answer>", "x<7", 1.0),
+    # a second value inside \text{} is still a second value; a unit there is not
+    ("second value in a text block", r"<answer>7 \text{or 8}</answer>", "7", 0.0),
+    ("number in a text block", r"<answer>\text{7}</answer>", "7", 1.0),
+    # "percent" is a percent sign
+    ("percent word in a sentence", "<answer>It is 50 percent</answer>", "0.5", 1.0),
 ]
 
 

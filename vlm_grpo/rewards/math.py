@@ -48,7 +48,17 @@ _MATH_WORDS = frozenset({"sin", "cos", "tan", "cot", "sec", "csc", "log", "exp",
 _MATH_SPAN_RE = re.compile(
     r"(?<!\\)\$\$(.+?)(?<!\\)\$\$|(?<!\\)\$([^\n]+?)(?<!\\)\$|\\\(([^\n]+?)\\\)|\\\[(.+?)\\\]", re.DOTALL
 )
-_TEXT_BLOCK_RE = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mbox)\s*\{[^{}]*\}")
+# Units in \text{} ("\text{ cm}"); one holding a digit ("7 \text{or 8}") states a value, so it is not set aside.
+_TEXT_BLOCK_RE = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mbox)\s*\{[^{}\d]*\}")
+# A value ruled out, bounded or hedged is not that value: "not 7", "isn't 7", "at least 7", "about $7$", "7 or more",
+# "7+", and a relation with no left side ("< 7", "\\neq 7"; "x < 7" is an inequality, left to Math-Verify; "<think>"
+# is a tag).
+_HEDGED_RE = re.compile(
+    r"(?:(?i:\b(?:not|never|about|around|approximately|approx|roughly|nearly|almost|maybe|perhaps|possibly|probably"
+    r"|at least|at most|more than|less than|fewer than|greater than|under|below|above|up to)\b)|n't)\s*\$?\s*[-+]?\.?\d"
+    r"|^\W*?(?:[<>](?![a-zA-Z/])|[≤≥≠≈~]|\\(?:neq?|leq?|geq?|lt|gt|approx|sim)(?![a-zA-Z]))"
+    r"|\d\s*\$?\s*(?:\+\W*$|(?i:\bor\s+(?:more|less|fewer|so|above|below)\b))"
+)
 
 
 def _words(s: str) -> list[str]:
@@ -77,7 +87,8 @@ def _single_statement(s: str) -> str | None:
     if len(values) != 1:
         return None
     value = next(iter(values.values()))
-    return value + "%" if value in outside and re.search(re.escape(value) + r"\s*%", outside) else value
+    percent = value in outside and re.search(re.escape(value) + r"\s*(?:%|percent\b)", outside)
+    return value + "%" if percent else value
 
 
 def _clean(s: str) -> str:
@@ -154,6 +165,8 @@ def answers_match(completion: str, gold: str) -> bool:
     candidate = answer_span(completion)
     if _is_prose(candidate):  # "<answer>The answer is 7</answer>": the marked part, else the one value stated
         candidate = answer_marker(candidate) or candidate
+    if _HEDGED_RE.search(candidate) and not _HEDGED_RE.search(gold):  # "not 7", "at least 7" do not answer 7
+        return _normalize(candidate) == _normalize(gold)
     if _is_prose(candidate):
         single = _single_statement(candidate)
         if single is None:  # a text answer ("New York"), or a sentence naming several values
@@ -176,6 +189,7 @@ def answer_accuracy(text: str, gold: Any, /, **row: Any) -> float:
     Reads column ``answer``, else ``solution`` (a GSM8K rationale ``… #### 42`` or a MATH solution ending in
     ``\\boxed{…}`` is reduced to its answer). The answer is the answer tag / ``\\boxed{}`` content, else the sentence
     after "Answer:", else the text after ``</think>``. No credit for an answer naming several values (``1, 2, 7``,
-    ``8 or 7``) or one that merely contains the gold (``7x``, ``\\sqrt{7}``, ``2^{7}``).
+    ``8 or 7``), one that merely contains the gold (``7x``, ``\\sqrt{7}``, ``2^{7}``) or one that rules it out,
+    bounds it or hedges it (``not 7``, ``at least 7``, ``about 7``).
     """
     return 1.0 if answers_match(text, _gold_answer(gold)) else 0.0
