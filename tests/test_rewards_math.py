@@ -211,3 +211,15 @@ def test_answer_accuracy_columns() -> None:
     assert answer_accuracy(None, ["<answer>1</answer>", "x"], answer=[None, "1"]) == [None, 0.0]
     with pytest.raises(ValueError, match="`answer` or `solution`"):
         answer_accuracy(None, ["1"], gold=["1"])
+
+
+@pytest.mark.parametrize(
+    ("completion", "gold", "expected"),
+    [("<answer>3+4</answer>", "7", 0.0), (r"\boxed{3 \times 2 + 1}", "7", 0.0), ("<answer>2^3</answer>", "8", 0.0),
+     ("<answer>7</answer>", "7", 1.0), (r"\frac{1}{2}", "0.5", 1.0), ("$-3$", "-3", 1.0),
+     (r"\sqrt{8}", r"2\sqrt{2}", 1.0), ("x^{2} + 1", "x^2+1", 1.0)],
+)  # fmt: skip
+def test_an_operation_left_undone_does_not_answer_a_number(completion: str, gold: str, expected: float) -> None:
+    # Math-Verify counts "3+4" equal to 7: on the arithmetic task's image (two digits to add) a policy copying the
+    # digits was paid for a sum it never computed. Where the gold is an expression, equivalent forms still pay.
+    assert answer_accuracy(None, [completion], answer=[gold]) == [expected]

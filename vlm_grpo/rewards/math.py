@@ -60,6 +60,12 @@ _HEDGED_RE = re.compile(
     r"|\d\s*\$?\s*(?:\+\W*$|(?i:\bor\s+(?:more|less|fewer|so|above|below)\b))"
 )
 
+# An operation left undone, where the gold is a number: "3+4", "3 \times 2 + 1" for 7. Math-Verify counts them
+# equal, so a policy could copy a question's expression (two digits to add, on the `arithmetic` task's image) and be
+# paid for the value it never computed. Fractions ("\frac{1}{2}", "1/2" for 0.5) are values and stay, as does a
+# root ("\sqrt{4}" for 2).
+_UNEVALUATED_RE = re.compile(r"[\d}).]\s*(?:[+*×·^-]|\\(?:cdot|times)(?![a-zA-Z]))\s*[-\d({\\]")
+
 
 def _words(s: str) -> list[str]:
     return [w.lower() for w in _WORD_RE.findall(_ENV_RE.sub(" ", s))]
@@ -179,6 +185,8 @@ def answers_match(completion: str, gold: str) -> bool:
         return True
     if _is_prose(gold):  # a text gold ("New York"): Math-Verify would multiply the letters
         return False
+    if gold_number is not None and _UNEVALUATED_RE.search(candidate):  # "3+4" for 7: the sum asked for, not given
+        return False
     return _verify(gold, candidate)
 
 
@@ -189,7 +197,8 @@ def answer_accuracy(text: str, gold: Any, /, **row: Any) -> float:
     Reads column ``answer``, else ``solution`` (a GSM8K rationale ``… #### 42`` or a MATH solution ending in
     ``\\boxed{…}`` is reduced to its answer). The answer is the answer tag / ``\\boxed{}`` content, else the sentence
     after "Answer:", else the text after ``</think>``. No credit for an answer naming several values (``1, 2, 7``,
-    ``8 or 7``), one that merely contains the gold (``7x``, ``\\sqrt{7}``, ``2^{7}``) or one that rules it out,
-    bounds it or hedges it (``not 7``, ``at least 7``, ``about 7``).
+    ``8 or 7``), one that merely contains the gold (``7x``, ``\\sqrt{7}``, ``2^{7}``), one that rules it out,
+    bounds it or hedges it (``not 7``, ``at least 7``, ``about 7``), or, for a number, an operation left undone
+    (``3+4``).
     """
     return 1.0 if answers_match(text, _gold_answer(gold)) else 0.0
