@@ -61,7 +61,7 @@ _HEDGED_RE = re.compile(
 )
 
 # An operation left undone, where the gold is a number: "3+4", "3 \times 2 + 1" for 7. Math-Verify counts them
-# equal, so a policy could copy a question's expression (two digits to add, on the `arithmetic` task's image) and be
+# equal, so a policy could copy a question's expression ("What is 3 + 4?", or two numbers an image asks to add) and be
 # paid for the value it never computed. Fractions ("\frac{1}{2}", "1/2" for 0.5) are values and stay, as does a
 # root ("\sqrt{4}" for 2).
 _UNEVALUATED_RE = re.compile(r"[\d}).]\s*(?:[+*×·^-]|\\(?:cdot|times)(?![a-zA-Z]))\s*[-\d({\\]")
