@@ -32,3 +32,11 @@ def test_anls_reward_reads_the_answer_and_skips_missing_golds() -> None:
                    "<think>it says 'total'</think> <answer>$1,234</answer>", "<think>r</think> Hello", "a", "a"]  # fmt: skip
     golds = [["hello", "hi"], "hello", "abc", ["$1,234", "1234"], "hello", None, []]
     assert anls(None, completions, answer=golds) == [1.0, pytest.approx(0.8), 0.0, 1.0, 1.0, None, None]
+
+
+def test_anls_reads_the_answer_where_the_other_rewards_do() -> None:
+    # It read only the answer tag, else the whole conclusion: "Answer: Paris" scored 0 against "Paris" (the marker's
+    # 8 characters put the distance over 0.5), and a boxed answer kept its LaTeX.
+    completions = ["Answer: Paris", r"<answer>\boxed{\text{Paris}}</answer>", r"so it is \boxed{Paris}",
+                   "<think>a map</think>The answer is St. Louis.", "Paris"]  # fmt: skip
+    assert anls(None, completions, answer=["Paris", "Paris", "Paris", "St. Louis", "Paris"]) == [1.0] * 5

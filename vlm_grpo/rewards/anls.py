@@ -8,7 +8,7 @@ from typing import Any
 from rapidfuzz.distance import Levenshtein
 
 from .adaptor import batch_reward
-from .parsing import final_segment, last_answer_tag
+from .parsing import answer_marker, extract_answer, final_segment, strip_latex_text
 
 __all__ = ["anls", "anls_score"]
 
@@ -35,15 +35,20 @@ def anls_score(pred: str, gold: str | Sequence[str], threshold: float = 0.5) -> 
 
 
 def _prediction(text: str) -> str:
-    """The last answer tag's content, else the stripped text after ``</think>``."""
-    tagged = last_answer_tag(text)
-    return tagged if tagged is not None else final_segment(text).strip()
+    """The answer as the other rewards read it: the last answer tag's content (its ``\\boxed{}`` part), else the last
+    ``\\boxed{}``, else the line after "Answer:", else the stripped text after ``</think>`` (``\\text{}`` unwrapped)."""
+    answer = extract_answer(text)
+    if answer is None:
+        segment = final_segment(text)
+        answer = answer_marker(segment, sentence=False) or segment.strip()
+    return strip_latex_text(answer)
 
 
 @batch_reward(gold_column="answer", prediction=_prediction)
 def anls(text: str, gold: Any, /, **row: Any) -> float | None:
-    """ANLS reward (see :func:`anls_score`) of the answer tag's content, else the text after ``</think>``, against
-    column ``answer`` (an acceptable answer or a list of them; None or an empty list gives None)."""
+    """ANLS reward (see :func:`anls_score`) of the answer (tag, ``\\boxed{}``, "Answer:" line, else the text after
+    ``</think>``) against column ``answer`` (an acceptable answer or a list of them; None or an empty list gives
+    None)."""
     if not isinstance(gold, str) and len(gold) == 0:
         return None
     return anls_score(_prediction(text), gold)

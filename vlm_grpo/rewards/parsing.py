@@ -67,17 +67,20 @@ def final_segment(text: str) -> str:
     return tail if sep and tail.strip() else text
 
 
-def answer_marker(text: str) -> str | None:
+def answer_marker(text: str, sentence: bool = True) -> str | None:
     """The sentence after the last explicit answer marker ("Answer: 3.", "the answer is C"), stripped, or None.
 
     An explicit marker is a commitment: in "Answer: 3. There are 2 big ones and 1 small one." it is what counts.
+    `sentence=False`: the rest of the marker's line instead, less a final ".", "!" or "?" (free text such as
+    "Answer: St. Louis." keeps its inner full stops).
     """
     matches = list(_MARKER_RE.finditer(text))
     if not matches:
         return None
     rest = text[matches[-1].end() :]
-    end = _SENTENCE_END_RE.search(rest)
-    return (rest[: end.start()] if end else rest).strip().strip("*").strip() or None
+    end = _SENTENCE_END_RE.search(rest) if sentence else re.search(r"\n", rest)
+    found = (rest[: end.start()] if end else rest).strip().strip("*").strip()
+    return (found if sentence else found.rstrip(".!?").strip()) or None
 
 
 def answer_span(text: str) -> str:
