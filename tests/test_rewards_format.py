@@ -17,6 +17,9 @@ CASES = [
     ("nested think", "<think>a<think>b</think><answer>y</answer>", 0.0),
     ("wrong order", "<answer>y</answer><think>x</think>", 0.0),
     ("unclosed answer", "<think>x</think><answer>y", 0.0),
+    ("an answer inside the thinking", "<think>x<answer>7</answer></think><answer>7</answer>", 0.0),
+    ("empty answer", "<think>x</think><answer> \n</answer>", 0.0),  # the layout paid for saying nothing
+    ("empty thinking", "<think></think><answer>y</answer>", 1.0),  # as TRL's think_format_reward allows
 ]
 
 

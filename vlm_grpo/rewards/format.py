@@ -12,17 +12,19 @@ from .adaptor import Completion, batch_reward, completion_text
 
 __all__ = ["think_answer_format", "think_format_reward"]
 
-# Tempered bodies forbid nested/repeated tags, so "<think>a</think><answer>b</answer><answer>c</answer>" (two answers)
-# or a second <think> block cannot sneak through a lazy ".*?".
+# Tempered bodies forbid nested/repeated tags, so "<think>a</think><answer>b</answer><answer>c</answer>" (two answers),
+# a second <think> block or an <answer> inside the thinking cannot sneak through a lazy ".*?"; an empty answer is no
+# answer (the layout alone would be paid for saying nothing), empty thinking is allowed (as TRL's format reward does).
 _THINK_ANSWER_RE = re.compile(
-    r"\s*<think>(?:(?!</?think>).)*</think>\s*<answer>(?:(?!</?answer>).)*</answer>\s*", re.DOTALL
+    r"\s*<think>(?:(?!</?(?:think|answer)>).)*</think>\s*<answer>(?!\s*</answer>)(?:(?!</?answer>).)*</answer>\s*",
+    re.DOTALL,
 )
 
 
 @batch_reward(gold_column=None)
 def think_answer_format(text: str, gold: None = None, /, **row: Any) -> float:
     """1.0 when the whole completion (surrounding whitespace allowed) is exactly one ``<think>…</think>`` block
-    followed by exactly one ``<answer>…</answer>`` block, else 0.0. Reads no dataset column."""
+    followed by exactly one non-empty ``<answer>…</answer>`` block, else 0.0. Reads no dataset column."""
     return 1.0 if _THINK_ANSWER_RE.fullmatch(text) else 0.0
 
 
