@@ -99,6 +99,16 @@ def test_a_group_is_informative_when_its_scored_rewards_differ():
     assert informative_groups(rewards, torch.tensor([1.0, 3.0]), 2).tolist() == [False, True, True, False, False]
 
 
+def test_under_normalize_then_sum_a_group_is_informative_when_its_standardised_rewards_differ():
+    # TRL's GDPO aggregation standardises each function's rewards within the group before the weighted sum: 0 / 1 and
+    # 2 / 0 weighted 1 and 0.5 sum to 1 for both completions, yet their standardised sums differ (advantages).
+    rewards = torch.tensor([[0.0, 2.0], [1.0, 0.0],  # raw weighted sums equal, standardised ones not
+                            [1.0, 0.0], [1.0, 0.0]])  # fmt: skip
+    weights = torch.tensor([1.0, 0.5])
+    assert informative_groups(rewards, weights, 2).tolist() == [False, False]
+    assert informative_groups(rewards, weights, 2, "normalize_then_sum").tolist() == [True, False]
+
+
 def test_the_stream_walks_the_samplers_passes_and_resumes_where_it_stopped():
     sampler = RepeatSampler(range(10), mini_repeat_count=4, batch_size=3, repeat_count=2, seed=7)
     first_pass = list(sampler)[::4]  # each chunk repeated twice, each index 4 times: as TRL's trainer draws them
@@ -265,3 +275,27 @@ def test_learns_faster_per_step_when_half_the_prompts_never_vary(tmp_path):
     assert sum(h["frac_reward_zero_std"] for h in runs[False]["logged"]) / 40 > 0.4
     assert [h["frac_reward_zero_std"] for h in runs[True]["logged"]] == [0.0] * 40
     assert dynamic >= plain and dynamic > 0.5, (plain, dynamic)  # chance is 0.25; measured: 0.594 and 0.719
+
+
+class Opposed:
+    """Two rewards whose weighted sum (weights 1 and 0.5) is the same for every completion: 0 / 1 and 2 / 0."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale, self.__name__ = scale, f"opposed_{scale:g}"
+
+    def __call__(self, prompts, completions, **kwargs):
+        return [float(k % G) if self.scale == 1 else self.scale * (1 - k % G) for k in range(len(completions))]
+
+
+@pytest.mark.trains
+def test_under_normalize_then_sum_it_keeps_the_groups_trl_gives_advantages(tiny_dir, tmp_path):
+    model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen2_5_vl", words=COLORS), full_finetuning=True)
+    args = VLMGRPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=G, max_completion_length=3,
+        max_steps=1, report_to="none", use_cpu=True, disable_tqdm=True, seed=0, dynamic_sampling=True,
+        multi_objective_aggregation="normalize_then_sum", reward_weights=[1.0, 0.5], max_sampling_rounds=1,
+    )  # fmt: skip
+    trainer = VLMGRPOTrainer(model, [Opposed(1), Opposed(2)], args=args, train_dataset=_dataset())
+    batch = _fill(trainer)  # the weighted sums are constant: every group was dropped, NoRewardVariance raised
+    assert (batch["advantages"].view(4, G) != 0).any(dim=1).all()  # TRL's advantages: every group has a gradient
+    assert trainer._metrics["train"]["dynamic_sampling/groups_kept"] == [4.0]

@@ -130,6 +130,7 @@ TRAINER_ATTRIBUTES = (
     "generation_kwargs",
     "num_generations",  # dynamic_sampling: group size, reward weights, metrics, micro-step and dataset order
     "reward_weights",
+    "multi_objective_aggregation",  # dynamic_sampling: which rewards' spread gives a group advantages
     "reward_func_names",  # nonfinite: which reward's values overflow float32
     "_metrics",  # nonfinite: the count of skipped steps in the training records
     "_step",

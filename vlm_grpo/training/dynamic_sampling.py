@@ -8,7 +8,8 @@ process trains on until the next generation) in rounds:
 1. the next prompts of the stream are generated and scored by TRL (`_generate_and_score_completions`, one call per
    round: the fast-generation and shared-prefix paths, the rewards, the advantages of each group and the reference
    log-probs, as for any batch);
-2. the groups whose weighted reward has zero standard deviation are dropped (`informative_groups`);
+2. the groups whose weighted reward has zero standard deviation are dropped (`informative_groups`; under
+   `multi_objective_aggregation="normalize_then_sum"`, the weighted sum of the rewards standardised in the group);
 3. rounds go on until every process holds its configured number of groups, at most `max_sampling_rounds` of them.
    Each round is one generation batch: every process generates its share of the next prompts.
 
@@ -54,7 +55,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
-from trl.trainer.utils import RepeatSampler
+from trl.trainer.utils import RepeatSampler, nanstd
 
 from .rollout_batch import concat_rollouts, loss_token_count, select_rollouts
 
@@ -67,14 +68,25 @@ class NoRewardVariance(RuntimeError):
     """Every group of a batch earned one reward for all of its completions, in every sampling round."""
 
 
-def informative_groups(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int) -> torch.Tensor:
+def informative_groups(
+    rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
+    aggregation: str = "sum_then_normalize",
+) -> torch.Tensor:  # fmt: skip
     """For each group of `num_generations` consecutive rows: whether its completions' rewards differ.
 
     The reward of a completion is the weighted sum of `rewards_per_func` ([rows, functions], NaN where a function
-    did not score it), NaN when no function scored it, as TRL computes it. A group is informative when at least two
-    of its completions were scored and their standard deviation is not zero (TRL's `frac_reward_zero_std` test).
+    did not score it), NaN when no function scored it, as TRL computes it for its `multi_objective_aggregation`
+    `aggregation`: with "normalize_then_sum" each function's rewards are first standardised within the group. A group
+    is informative when at least two of its completions were scored and their standard deviation is not zero (TRL's
+    `frac_reward_zero_std` test), i.e. when TRL gives it advantages.
     """
     unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    if aggregation == "normalize_then_sum":
+        # As TRL's GDPO: rewards whose weighted sum is constant in a group can still differ once each is standardised
+        # (their advantages are not zero), so the test is on the standardised sum.
+        grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.shape[1])
+        mean, std = torch.nanmean(grouped, dim=1, keepdim=True), nanstd(grouped, dim=1, keepdim=True)
+        rewards_per_func = ((grouped - mean) / (std + 1e-4)).view(-1, rewards_per_func.shape[1])
     rewards = (rewards_per_func * weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
     rewards[unscorable] = torch.nan
     grouped = rewards.view(-1, num_generations)
@@ -230,7 +242,8 @@ class DynamicSampler:
             batch = self.score([row for row in dataset_rows for _ in range(G)])
             rewards = trainer._last_rewards_per_func
             # Gathered over processes (process p's rows p*rows...), so every process sees the same table.
-            table = informative_groups(rewards, trainer.reward_weights, G).view(processes, groups).cpu()
+            table = informative_groups(rewards, trainer.reward_weights, G, trainer.multi_objective_aggregation)
+            table = table.view(processes, groups).cpu()
             generated += processes * groups
             informative += int(table.sum())
             if len(rewards_seen) <= 8:
