@@ -162,3 +162,18 @@ def fresh_dynamo():
     yield
     torch._dynamo.reset()
     counters.clear()
+
+
+def guarded_model_dir(tiny_dir, tmp_path) -> str:
+    """A tiny Qwen2.5-VL whose chat template refuses to render unless it is given `marker` (a chat template argument,
+    as `{"enable_thinking": False}` is for Qwen3): it tells whether `chat_template_kwargs` reached the template."""
+    import shutil
+
+    from vlm_grpo.data import answer_words
+
+    path = tmp_path / "guarded"
+    shutil.copytree(tiny_dir("qwen2_5_vl", words=answer_words("color", 1)), path)
+    template = path / "chat_template.jinja"
+    guard = "{%- if marker is not defined %}{{ raise_exception('chat_template_kwargs did not reach it') }}{%- endif %}"
+    template.write_text(guard + template.read_text())
+    return str(path)

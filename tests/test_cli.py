@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from conftest import guarded_model_dir
 from datasets import Dataset, DatasetDict, Features, Value
 from datasets import Image as ImageFeature
 from PIL import Image, ImageDraw
@@ -405,6 +406,15 @@ def test_an_output_dir_that_is_a_file_is_refused_and_left_alone(tmp_path, capsys
     assert main(["--output_dir", str(target)]) == 2
     assert "is a file; name a directory" in capsys.readouterr().err
     assert target.read_text() == "mine"
+
+
+@pytest.mark.trains
+def test_chat_template_kwargs_reach_the_held_out_evaluation_as_the_rollouts(tiny_dir, tmp_path):
+    # The template refuses to render without `marker`: the accuracy before and after must render as training does.
+    results = run(*parse_args(["--model", guarded_model_dir(tiny_dir, tmp_path), "--chat_template_kwargs",
+                               '{"marker": true}', "--output_dir", str(tmp_path / "run"), "--train_size", "8",
+                               "--test_size", "4", *TINY_RUN]))  # fmt: skip
+    assert {"before/accuracy", "after/accuracy"} <= set(results)
 
 
 def test_negative_values_reach_the_config_with_or_without_an_equals_sign():

@@ -1,6 +1,7 @@
 import math
 
 import pytest
+from conftest import guarded_model_dir
 
 from vlm_grpo.data import answer_words, make_visual_reasoning_dataset
 from vlm_grpo.models.loader import FastVisionModel
@@ -124,3 +125,19 @@ def test_evaluate_leaves_the_callers_random_stream_where_it_was(tiny_dir):
     evaluate(model, processor, dataset, [lambda completions, **kw: [0.0] * len(completions)], num_generations=2,
              max_new_tokens=2)  # fmt: skip
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_the_chat_template_arguments_reach_the_held_out_prompts(tiny_dir, tmp_path):
+    model, processor = FastVisionModel.from_pretrained(guarded_model_dir(tiny_dir, tmp_path))
+    dataset = make_visual_reasoning_dataset("color", 2, seed=0, split="test")
+
+    def never(prompts, completions, **kwargs):
+        return [0.0] * len(completions)
+
+    with pytest.raises(Exception, match="did not reach it"):  # the guard holds
+        evaluate(model, processor, dataset, [never], max_new_tokens=2)
+    result = evaluate(model, processor, dataset, [never], max_new_tokens=2, chat_template_kwargs={"marker": True})
+    assert result["accuracy"] == 0.0
+    samples = sample_completions(model, processor, dataset, [never], max_new_tokens=2,
+                                 chat_template_kwargs={"marker": True})  # fmt: skip
+    assert len(samples) == 2

@@ -317,9 +317,11 @@ def run(script: ScriptArguments, config: Any) -> dict[str, float]:
     # Before the trainer, whose KL reference is the model it is given; on a resumed run too, for the same reference.
     if script.warm_start:
         _warm_start(script, config, model, processor, task, tools.get("environment_factory"))
-    # Greedy decoding for accuracy: what a user of the trained model gets; the task's accuracy reward decides it.
+    # Greedy decoding for accuracy: what a user of the trained model gets; the task's accuracy reward decides it. The
+    # prompts rendered as the rollouts render them (e.g. `{"enable_thinking": false}`).
     score = {"max_new_tokens": script.eval_max_new_tokens or config.max_completion_length,
              "min_pixels": config.min_pixels, "max_pixels": config.max_pixels,
+             "chat_template_kwargs": config.chat_template_kwargs,
              **{k: getattr(config, k) for k in VIDEO_SETTINGS}}  # fmt: skip
     before: dict[str, float] = {}
     if task.test is not None:

@@ -45,6 +45,7 @@ def evaluate(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     seed: int = 0,
+    chat_template_kwargs: dict[str, Any] | None = None,
     **video: Any,
 ) -> dict[str, float]:
     """Generate for every row and score with `reward_funcs`.
@@ -62,6 +63,8 @@ def evaluate(
         video: the video budget for rows with clips, as `VLMGRPOConfig` names it (`video_fps`, `video_max_frames`,
             `video_num_frames`, `video_min_pixels`, `video_max_pixels`); unset ones are the defaults, or the
             processor's own pixel budget (`vlm_grpo.media.video_budget`), which it gets back afterwards.
+        chat_template_kwargs: passed to the chat template, as the trainer's config passes them (e.g.
+            `{"enable_thinking": False}`), so held-out prompts read as the training prompts do.
 
     Returns:
         `{"mean_reward": ..., "accuracy": ..., "reward/<name>": ..., "pass@k": ...}` with pass@k for k = 1, 2, 4, ...
@@ -73,7 +76,7 @@ def evaluate(
     rewards: dict[str, list[float]] = {reward_name(f): [] for f in funcs}
     correct_per_row: list[int] = []
     batches = _scored_batches(model, processor, dataset, funcs, num_generations, max_new_tokens, temperature,
-                              batch_size, min_pixels, max_pixels, seed, video)  # fmt: skip
+                              batch_size, min_pixels, max_pixels, seed, video, chat_template_kwargs)  # fmt: skip
     for _, scores in batches:
         for name, values in scores.items():
             rewards[name].extend(float("nan") if v is None else float(v) for v in values)
@@ -181,19 +184,21 @@ def sample_completions(
     batch_size: int = 16,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
     **video: Any,
 ) -> list[dict[str, Any]]:
     """The model's greedy completion for every row of `dataset`, with each reward function's score.
 
     Returns one dict per row: `{"completion": text, "<reward name>": score, ...}` (a score is None where the reward
-    could not score the row). Rows are handled as in `evaluate` (and the trainer; `video` as there); e.g. to show what
+    could not score the row). Rows are handled as in `evaluate` (and the trainer; `video` and `chat_template_kwargs` as
+    there); e.g. to show what
     a model answers
     before and after training with `vlm_grpo.training.display.CompletionTable`.
     """
     funcs = _check_funcs(reward_funcs, allow_none=True)
     samples: list[dict[str, Any]] = []
     batches = _scored_batches(model, processor, dataset, funcs, 1, max_new_tokens, 1.0, batch_size, min_pixels,
-                              max_pixels, 0, video)  # fmt: skip
+                              max_pixels, 0, video, chat_template_kwargs)  # fmt: skip
     for completions, scores in batches:
         for i, completion in enumerate(completions):
             samples.append({"completion": completion, **{name: values[i] for name, values in scores.items()}})
@@ -208,7 +213,7 @@ def _check_funcs(reward_funcs: Callable | Sequence[Callable], allow_none: bool =
 
 
 def _scored_batches(model, processor, dataset, funcs, num_generations, max_new_tokens, temperature, batch_size,
-                    min_pixels, max_pixels, seed, video) -> Iterator[tuple[list[str], dict[str, list[float | None]]]]:  # fmt: skip
+                    min_pixels, max_pixels, seed, video, template_kwargs=None) -> Iterator[tuple[list[str], dict[str, list[float | None]]]]:  # fmt: skip
     """Generate for the rows of `dataset` batch by batch (inference mode, seeded); yield each batch's completions
     (`num_generations` per row, in row order) and every reward function's scores of them."""
     if batch_size < 1:
@@ -236,17 +241,19 @@ def _scored_batches(model, processor, dataset, funcs, num_generations, max_new_t
             torch.manual_seed(seed)
             tokenizer.padding_side = "left"
             yield from _batches(model, processor, dataset, funcs, num_generations, max_new_tokens, temperature,
-                                batch_size, (budget, clip_budget), device)  # fmt: skip
+                                batch_size, (budget, clip_budget), device, template_kwargs or {})  # fmt: skip
     finally:
         tokenizer.padding_side = padding_side
 
 
 def _batches(model, processor, dataset, funcs, num_generations, max_new_tokens, temperature, batch_size, budget,
-             device) -> Iterator[tuple[list[str], dict[str, list[float | None]]]]:  # fmt: skip
+             device, template_kwargs) -> Iterator[tuple[list[str], dict[str, list[float | None]]]]:  # fmt: skip
     for start in range(0, len(dataset), batch_size):
         raw = [dict(r) for r in dataset.select(range(start, min(start + batch_size, len(dataset))))]
         rows = add_image_sizes([prepare_row(r, *budget) for r in raw], processor)
-        completions = _generate(model, processor, rows, num_generations, max_new_tokens, temperature, device)
+        completions = _generate(
+            model, processor, rows, num_generations, max_new_tokens, temperature, device, template_kwargs
+        )
         expanded = [dataset_row(row) for row in rows for _ in range(num_generations)]
         # Every column but the prompt, the image too, as training gives them (TRL passes every column of the row):
         # a reward reading `image` scores held-out rows as it scores training rows.
@@ -260,11 +267,19 @@ def _batches(model, processor, dataset, funcs, num_generations, max_new_tokens, 
         yield completions, scores
 
 
-def _generate(model, processor, rows, num_generations, max_new_tokens, temperature, device) -> list[str]:
+def _generate(
+    model, processor, rows, num_generations, max_new_tokens, temperature, device, template_kwargs
+) -> list[str]:
     from trl.data_utils import prepare_multimodal_messages
 
     if holds_clips([row["prompt"] for row in rows]):  # images and clips already placed (prepare_row)
-        inputs = process_prompts(processor, [row["prompt"] for row in rows], return_tensors="pt", padding=True)
+        inputs = process_prompts(
+            processor,
+            [row["prompt"] for row in rows],
+            template_kwargs=template_kwargs,
+            return_tensors="pt",
+            padding=True,
+        )
         inputs = {k: v for k, v in inputs.items() if k not in ("num_images", "num_videos")}
     else:
         images = []
@@ -277,7 +292,8 @@ def _generate(model, processor, rows, num_generations, max_new_tokens, temperatu
             prompts.append(prompt)
             images.append(images_of_row)
         if isinstance(prompts[0], list):
-            text = processor.apply_chat_template(prompts, add_generation_prompt=True, tokenize=False)
+            # The config's template arguments, as TRL renders the training prompts with them.
+            text = processor.apply_chat_template(prompts, add_generation_prompt=True, tokenize=False, **template_kwargs)
         else:
             text = prompts
         has_images = any(images)
