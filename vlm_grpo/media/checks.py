@@ -74,10 +74,10 @@ def drop_unreadable_rows(
     """
     skipped = SkippedRows()
     raw = undecoded(undecoded(dataset, column), clip_column)
+    image_problem = partial(_image_problem, refusal=image_refusal)
     for index, row in enumerate(raw.select_columns([c for c in (column, clip_column) if c])):
         where = row_names[index] if row_names is not None else f"row {index}"
         # By the column's own name: a row of `file` or `photo` holds its images there, not under `image`.
-        image_problem = partial(_image_problem, refusal=image_refusal)
         media = [("image", m, image_problem, ImageError) for m in (column_media(row, column) if column else [])]
         media += [("clip", m, _clip_problem, VideoError) for m in (row_clips(row) if clip_column else [])]
         positions = {"image": 0, "clip": 0}

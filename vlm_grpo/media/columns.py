@@ -92,8 +92,8 @@ def _blocks_media(row: dict[str, Any], kind: str) -> list[Any]:
 
 
 def row_images(row: dict[str, Any]) -> list[Any]:
-    """A row's images as a list: its `images` list (or one image there), its single `image`, the images placed in its prompt (a
-    `prepare_row` result of a dataset with clips), or [] for a text-only row."""
+    """A row's images as a list: its `images` list (or one image there), its single `image`, the images placed in its
+    prompt (a `prepare_row` result of a dataset with clips), or [] for a text-only row."""
     if "images" in row:
         # An `images` column may hold one image per row (a `datasets.Image` feature, its undecoded dict, a path):
         # `list()` of it would count a dict's keys or a path's characters as images.

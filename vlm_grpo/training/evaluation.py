@@ -191,9 +191,8 @@ def sample_completions(
 
     Returns one dict per row: `{"completion": text, "<reward name>": score, ...}` (a score is None where the reward
     could not score the row). Rows are handled as in `evaluate` (and the trainer; `video` and `chat_template_kwargs` as
-    there); e.g. to show what
-    a model answers
-    before and after training with `vlm_grpo.training.display.CompletionTable`.
+    there); e.g. to show what a model answers before and after training with
+    `vlm_grpo.training.display.CompletionTable`.
     """
     funcs = _check_funcs(reward_funcs, allow_none=True)
     samples: list[dict[str, Any]] = []
