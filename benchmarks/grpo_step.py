@@ -57,6 +57,7 @@ VIDEO_TRAINERS = ("vlm-grpo", "vlm-grpo-off")
 VLM_VARIANTS = {
     "vlm-grpo": {},
     "vlm-grpo-host": {"fast_generation_merge_backup": "host"},
+    "vlm-grpo-device": {"fast_generation_merge_backup": "device"},  # a GPU copy: no host-to-device restore to hide
     "vlm-grpo-free-decode": {"fast_generation_keep_decode_memory": False},  # decode caches freed after generating
     "vlm-grpo-gc-freeze": {"gc_freeze": True},  # long-lived objects frozen out of Python's full collections
     "vlm-grpo-unpacked": {"packed_vision_attention": False},

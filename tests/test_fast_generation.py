@@ -17,6 +17,7 @@ from trl.data_utils import prepare_multimodal_messages
 from trl.trainer.grpo_trainer import GRPOTrainer
 
 from vlm_grpo.data.rows import prepare_row
+from vlm_grpo.engine.fast_generation import FastPathUnavailable
 from vlm_grpo.models.loader import FastVisionModel
 from vlm_grpo.training.trainer import VLMGRPOConfig, VLMGRPOTrainer
 
@@ -181,6 +182,14 @@ def test_a_batch_the_fast_path_cannot_serve_falls_back_once_with_the_reason(
     messages = [r.getMessage() for r in caplog.records if "Fast generation is off" in r.getMessage()]
     assert len(messages) == 1 and reason in messages[0]
     assert trainer.fast_generator.stats["calls"] == 0
+
+
+def test_max_time_is_left_to_generate(tiny_dir, tmp_path):
+    # generate stops every row once max_time has passed; the fast loop keeps no clock, so it refuses the batch (the
+    # route then takes generate's path, as for num_beams above) rather than run past the time asked.
+    trainer = _trainer(tiny_dir, tmp_path, max_time=600.0)
+    with pytest.raises(FastPathUnavailable, match="max_time"):
+        _fast(trainer, _batch(trainer, ROWS[:1], 3))
 
 
 @pytest.mark.slow

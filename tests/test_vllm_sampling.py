@@ -55,6 +55,7 @@ def test_transformers_names_are_renamed_and_a_forced_length_blocks_eos(qwen, tmp
     ("kwargs", "message"),
     [
         ({"no_repeat_ngram_size": 3}, "no vLLM equivalent"),
+        ({"max_time": 60.0}, "max_tokens"),  # it would reach SamplingParams as an unknown name
         ({"min_new_tokens": 2, "min_tokens": 2}, "keep one"),
         ({"bad_words_ids": [[4, 5]]}, "single tokens"),
         ({"bad_words": ["red green"]}, "several tokens"),

@@ -263,11 +263,11 @@ class FastGenerator:
         eos = eos_tokens(config)
         max_new = config.max_new_tokens
         unsupported = {  # generate features this loop does not implement: those calls take the plain path
-            "num_beams > 1": (config.num_beams or 1) > 1,
-            "stop_strings": bool(getattr(config, "stop_strings", None)),
+            "num_beams > 1": (config.num_beams or 1) > 1, "max_new_tokens unset": not max_new,
             "num_return_sequences > 1": (config.num_return_sequences or 1) > 1,
-            "max_new_tokens unset": not max_new,
-        }
+            "stop_strings": bool(getattr(config, "stop_strings", None)),
+            "max_time": getattr(config, "max_time", None) is not None,  # generate stops every row at that time
+        }  # fmt: skip
         if any(unsupported.values()):
             raise FastPathUnavailable(f"generation setting {next(k for k, v in unsupported.items() if v)}")
         batch = len(prompt_ids)

@@ -49,6 +49,8 @@ _NO_EQUIVALENT = {
     "encoder_no_repeat_ngram_size": "use repetition_penalty",
     "renormalize_logits": "remove it (vLLM's log-probs are normalised)",
     "cache_implementation": "remove it (vLLM manages its own cache)",
+    "max_time": "bound the rollout with max_tokens (vLLM has no time limit), or use_vllm=False",
+    "stop_strings": "vLLM's name for it is stop",
 }
 # vLLM settings that reweight tokens, which the loss's softmax does not apply (said once, as for generate's).
 _REWEIGHTING = {"logit_bias": None, "presence_penalty": 0.0, "frequency_penalty": 0.0}
