@@ -128,6 +128,21 @@ def test_traces_without_the_mark_box_or_zoom_are_refused_with_the_fix(tiny_dir, 
     assert (tool_trace(row, processor, None)["labels"] != -100).sum() == 2  # no tools: the answer and its end
 
 
+def test_a_trace_renders_its_turns_with_the_trainers_template_arguments(tiny_dir, zoom_rows):
+    """`chat_template_kwargs` (e.g. Qwen3.5's `enable_thinking`) reach the trace's prompt and the tool turn's next
+    generation prompt, as they reach the rollouts' (the warm start rendered without them)."""
+    _, processor = FastVisionModel.from_pretrained(tiny_dir("qwen3_5", tools=True, words=answer_words("zoom", 1)),
+                                                   full_finetuning=True)  # fmt: skip
+    tok = processor.tokenizer
+    for thinking, opening in ((True, "<think>\n"), (False, "<think>\n\n</think>\n\n")):
+        trace = tool_trace(dict(zoom_rows[0]), processor, ZOOM, chat_template_kwargs={"enable_thinking": thinking})
+        ids, trained = trace["input_ids"].tolist(), (trace["labels"] != -100).tolist()
+        starts = [i for i in range(len(ids)) if trained[i] and not trained[i - 1]]  # the call's and the answer's
+        assert len(starts) == 2
+        for start in starts:
+            assert tok.decode(ids[:start]).endswith("<|im_start|>assistant\n" + opening), (thinking, start)
+
+
 @pytest.mark.trains
 def test_the_warm_start_lowers_the_loss_on_the_models_own_tokens(tiny_dir, zoom_rows):
     model, processor = _tiny(tiny_dir)

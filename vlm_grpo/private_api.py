@@ -171,16 +171,17 @@ def prepare_generation(model: Any, generation_config: Any, device: torch.device)
     return config, model_kwargs
 
 
-def tool_suffix_ids(processor: Any, tool_messages: list[dict[str, Any]]) -> list[int]:
+def tool_suffix_ids(processor: Any, tool_messages: list[dict[str, Any]],
+                    chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:  # fmt: skip
     """The tokens TRL's tool loop appends after a completion that called tools: `tool_messages` (the tool turn, its
     images' tokens expanded) and the next generation prompt, from TRL's own `GRPOTrainer._get_tool_suffix_ids` run
-    for `processor` (its template, no extra template arguments) rather than a copy of it."""
+    for `processor` (its template, with the trainer's `chat_template_kwargs`) rather than a copy of it."""
     from types import SimpleNamespace
 
     from trl import GRPOTrainer
 
     tokenizer = getattr(processor, "tokenizer", processor)
-    trainer = SimpleNamespace(processing_class=processor, chat_template=None, chat_template_kwargs={},
+    trainer = SimpleNamespace(processing_class=processor, chat_template=None, chat_template_kwargs=dict(chat_template_kwargs or {}),
                               _is_vlm=tokenizer is not processor, _tokenizer=tokenizer)  # fmt: skip
     return list(GRPOTrainer._get_tool_suffix_ids(trainer, tool_messages))
 

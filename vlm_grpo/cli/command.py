@@ -203,7 +203,8 @@ def _warm_start(script: ScriptArguments, config: Any, model: Any, processor: Any
     spec = TASK_SPECS.get(script.task) if script.dataset is None else None
     zoom = spec.zoom if spec is not None and spec.zoom is not None else ZOOM
     done = tool_warm_start(model, processor, task.train, script.warm_start, tools, min_pixels=config.min_pixels,
-                           max_pixels=config.max_pixels, zoom=zoom, seed=config.seed)  # fmt: skip
+                           max_pixels=config.max_pixels, zoom=zoom, seed=config.seed,
+                           chat_template_kwargs=config.chat_template_kwargs)  # fmt: skip
     what = "look, call zoom on the mark, answer" if tools else "look, answer"
     print(f"warm start: {done.steps} supervised steps on {done.traces} traces ({what}), loss on the model's tokens "
           f"{done.first_loss:.3f} -> {done.last_loss:.3f}", flush=True)  # fmt: skip

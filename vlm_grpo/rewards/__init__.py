@@ -30,7 +30,7 @@ from .counting import counting, extract_count
 from .format import think_answer_format, think_format_reward
 from .grounding import FRAMES, box_iou, coordinate_frame_for, iou, iou_threshold, make_iou_reward, parse_box
 from .math import answer_accuracy, answers_match, parse_number
-from .parsing import answer_span, extract_answer, final_segment
+from .parsing import answer_span, conclusion, extract_answer, final_segment
 from .registry import FromAnswers, resolve_reward, reward_columns, reward_names
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "box_iou",
     "closed_vocabulary",
     "completion_text",
+    "conclusion",
     "coordinate_frame_for",
     "counting",
     "extract_answer",

@@ -2,15 +2,18 @@
 
 Every reward reads its prediction through these few functions, so they agree on what "the answer" is: the content of
 the last ``<answer>…</answer>`` tag (or the ``\\boxed{}`` inside it); else the last balanced ``\\boxed{…}``; else the
-text after the last ``</think>`` (the conclusion, not numbers or options mentioned while reasoning).
+text after the last ``</think>``. All of it is read in the conclusion (:func:`conclusion`), never in the reasoning: a
+value boxed or tagged while thinking is not the answer, and a completion cut off while thinking, with nothing after
+``</think>``, or cut off inside an ``<answer>`` tag has none (each of these was graded on the whole text, so a number
+named while reasoning was paid for).
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["answer_marker", "answer_span", "extract_answer", "final_segment", "last_answer_tag", "last_boxed",
-           "strip_latex_text"]  # fmt: skip
+__all__ = ["answer_marker", "answer_span", "conclusion", "extract_answer", "final_segment", "last_answer_tag",
+           "last_boxed", "strip_latex_text"]  # fmt: skip
 
 # The body may not contain another "<answer>", so for "<answer>a<answer>b</answer>" we get "b", not "a<answer>b".
 _ANSWER_TAG_RE = re.compile(r"<answer>((?:(?!<answer>).)*?)</answer>", re.DOTALL | re.IGNORECASE)
@@ -19,6 +22,8 @@ _BOXED_START_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _MARKER_RE = re.compile(r"(?i:answer)\**\s*(?:(?i:is)\b|[:=])[\s:*]*")
 # A sentence ends at ".", "!", "?" or ";" followed by whitespace (so "1.5" and "$1.5$" survive) or at a line break.
 _SENTENCE_END_RE = re.compile(r"[.!?;](?=\s)|\n")
+_ANSWER_OPEN_RE = re.compile(r"<answer>", re.IGNORECASE)
+_ANSWER_CLOSE_RE = re.compile(r"</answer>", re.IGNORECASE)
 _TEXT_WRAPPER_RE = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
 
 
@@ -46,14 +51,25 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+def conclusion(text: str) -> str:
+    """The part of a completion after its reasoning: the text after the last ``</think>``; the whole text when it has
+    no ``<think>`` tag (no reasoning, or a chat template that opened the thinking in the prompt); "" when a
+    ``<think>`` is left open at the end (cut off while reasoning: there is no conclusion yet)."""
+    _, sep, tail = text.rpartition("</think>")
+    if "<think>" in (tail if sep else text):
+        return ""
+    return tail if sep else text
+
+
 def extract_answer(text: str) -> str | None:
-    """The explicitly delimited final answer of a completion.
+    """The explicitly delimited final answer of a completion, read in its :func:`conclusion`.
 
     Returns:
         The content of the last ``<answer>`` tag (its ``\\boxed{}`` part if it has one, so
         ``<answer>\\boxed{5}</answer>`` gives ``"5"``); else the content of the last balanced ``\\boxed{…}``; else
-        None.
+        None (also for a tag or box inside the thinking only).
     """
+    text = conclusion(text)
     tagged = last_answer_tag(text)
     if tagged is not None:
         boxed = last_boxed(tagged)
@@ -62,9 +78,14 @@ def extract_answer(text: str) -> str | None:
 
 
 def final_segment(text: str) -> str:
-    """Text after the last ``</think>`` when that is non-blank, else the whole text."""
-    _, sep, tail = text.rpartition("</think>")
-    return tail if sep and tail.strip() else text
+    """The :func:`conclusion`, or "" when it ends inside an ``<answer>`` tag never closed: cut off while answering,
+    ``<answer>7`` may have been going to say 75."""
+    text = conclusion(text)
+    opened = [m.start() for m in _ANSWER_OPEN_RE.finditer(text)]
+    closed = [m.start() for m in _ANSWER_CLOSE_RE.finditer(text)]
+    if opened and (not closed or opened[-1] > closed[-1]):
+        return ""
+    return text
 
 
 def answer_marker(text: str, sentence: bool = True) -> str | None:

@@ -111,7 +111,7 @@ def _call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
 
 
 def tool_trace(row: dict[str, Any], processor: Any, environment_factory: Any = None, *, budget: Any = None,
-               zoom: int = ZOOM) -> dict[str, Any]:  # fmt: skip
+               zoom: int = ZOOM, chat_template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """One row's trace, tokenized as `VLMGRPOTrainer`'s rollout of it is: `input_ids`, `labels` (-100 but on the
     model's own tokens: the call and the answer, each up to its end-of-turn token) and the image fields.
 
@@ -127,6 +127,8 @@ def tool_trace(row: dict[str, Any], processor: Any, environment_factory: Any = N
             shows what it returns. None: the trace answers at once.
         budget: the trainer's `PixelBudget` (`pixel_budget_for_call`), which fits the prompt's image.
         zoom: the box is `1 / zoom` of the image's side, enlarged `zoom` times (`demonstration_box`).
+        chat_template_kwargs: the trainer's (`VLMGRPOConfig.chat_template_kwargs`, e.g. `enable_thinking`), so the
+            trace's prompt is rendered as the rollouts' are.
     """
     from trl.data_utils import prepare_multimodal_messages
 
@@ -152,7 +154,7 @@ def tool_trace(row: dict[str, Any], processor: Any, environment_factory: Any = N
         turns = [_call("zoom", arguments), {"role": "tool", "name": "zoom", "content": environment.zoom(**arguments)}]
 
     def render(messages: list[dict[str, Any]], **kwargs: Any) -> Any:
-        return processor.apply_chat_template(messages, tools=tools, **kwargs)
+        return processor.apply_chat_template(messages, tools=tools, **(chat_template_kwargs or {}), **kwargs)
 
     prompt_inputs = render(prompt, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt")
     pieces, trained = [prompt_inputs["input_ids"][0].tolist()], [False]
@@ -165,7 +167,7 @@ def tool_trace(row: dict[str, Any], processor: Any, environment_factory: Any = N
                              f"with {end}, as TRL's tool loop reads a rollout; a trace cannot be made for it.")  # fmt: skip
         call = after[len(before) :]
         pieces += [tokenizer(call[: call.index(end) + len(end)], add_special_tokens=False)["input_ids"],
-                   tool_suffix_ids(processor, turns[1:])]  # fmt: skip
+                   tool_suffix_ids(processor, turns[1:], chat_template_kwargs)]  # fmt: skip
         trained += [True, False]
     answer = row["answer"][0] if isinstance(row["answer"], (list, tuple)) else row["answer"]
     pieces.append(tokenizer(f"{answer}{end}", add_special_tokens=False)["input_ids"])
@@ -229,6 +231,7 @@ def tool_warm_start(
     max_pixels: int | None = None,
     zoom: int = ZOOM,
     seed: int = 0,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> WarmStart:
     """Train `model` for `steps` supervised steps on traces of `dataset`'s rows (`tool_trace`), so that GRPO with
     tools starts from a model that writes calls in its chat template's format and reads the tool's answer.
@@ -246,6 +249,8 @@ def tool_warm_start(
             rollouts show.
         zoom: the traces zoom `zoom` times on a box `1 / zoom` of the image's side (`demonstration_box`).
         seed: which rows, in which order.
+        chat_template_kwargs: the trainer's template arguments (`VLMGRPOConfig.chat_template_kwargs`), so the traces'
+            prompts are the ones its rollouts see.
 
     Returns:
         A `WarmStart`: steps, traces seen, and the mean loss of the first and last steps.
@@ -281,7 +286,7 @@ def tool_warm_start(
                     trace = traces.get(index)
                     if trace is None:
                         trace = tool_trace(dict(dataset[index]), processor, environment_factory, budget=budget,
-                                           zoom=zoom)  # fmt: skip
+                                           zoom=zoom, chat_template_kwargs=chat_template_kwargs)  # fmt: skip
                         size = sum(v.numel() * v.element_size() for v in trace.values())
                         if kept + size <= _KEEP_BYTES:
                             traces[index], kept = trace, kept + size

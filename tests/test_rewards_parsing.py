@@ -1,0 +1,47 @@
+"""parsing: every reward reads the answer in the conclusion, never in the reasoning or in an answer cut off."""
+
+from __future__ import annotations
+
+import pytest
+
+from vlm_grpo.rewards import anls, answer_accuracy, conclusion, counting, multiple_choice, parse_box
+
+# (label, completion, paid for 7?)
+CASES = [
+    ("plain text", "7", True),
+    ("after the thinking", "<think>maybe 6</think> 7", True),
+    ("tagged after the thinking", "<think>x</think><answer>7</answer>", True),
+    ("thinking opened by the chat template", "it is 6... no\n</think>\n\n7", True),
+    ("only in the thinking", "<think>It is 7</think>", False),
+    ("only in the thinking, blank after", "<think>It is 7</think>\n  ", False),
+    ("cut off while thinking", "<think>I count 7 so far and", False),
+    ("cut off while thinking again", "<think>a</think> 8 <think>no, 7", False),
+    ("cut off inside the answer", "<think>x</think><answer>7", False),
+    ("cut off inside the answer, no thinking", "<answer>7", False),
+    ("tag only inside the thinking", "<think>x<answer>7</answer></think>", False),
+    ("box in the thinking, another conclusion", "<think>\\boxed{7}?</think> The answer is 8", False),
+    ("two thinking blocks", "<think>a</think> b <think>c</think> 7", True),
+]
+
+
+@pytest.mark.parametrize("text, paid", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_answer_read_in_the_conclusion(text: str, paid: bool) -> None:
+    expected = [1.0 if paid else 0.0]
+    assert answer_accuracy(None, [text], answer=["7"]) == expected
+    assert counting(None, [text], answer=[7]) == expected
+    assert anls(None, [text], answer=["7"]) == expected
+
+
+def test_choice_and_box_read_in_the_conclusion() -> None:
+    assert multiple_choice(None, ["<think>(B)?</think>"], answer=["B"]) == [0.0]
+    assert multiple_choice(None, ["<think>(A)?</think> (B)"], answer=["B"]) == [1.0]
+    assert parse_box("<think><answer>[1, 2, 3, 4]</answer></think>") is None
+    assert parse_box("<think>x</think><answer>[1, 2, 3, 4]</answer>") == [1, 2, 3, 4]
+    assert parse_box("<think>x</think><answer>[1, 2, 3, 4") is None
+
+
+def test_conclusion() -> None:
+    assert conclusion("<think>a</think>b") == "b"
+    assert conclusion("no tags") == "no tags"
+    assert conclusion("<think>a") == ""
+    assert conclusion("<think>a</think>\n") == "\n"
