@@ -116,6 +116,20 @@ def test_rows_with_missing_or_corrupt_images_are_skipped_by_their_line_before_th
     assert len(load_grpo_dataset(str(csv), check_images=False)[0]) == 4
 
 
+def test_a_csv_cell_holding_a_json_list_of_paths_is_that_many_images(tmp_path):
+    """A CSV has no list type: a cell `["img/0.png", "img/1.png"]` was read as one path and its row skipped as a
+    missing file."""
+    _jsonl(tmp_path, [])
+    csv = tmp_path / "train.csv"
+    csv.write_text('prompt,images,answer\nCompare <image> and <image>.,"[""img/0.png"", ""img/1.png""]",red\n'
+                   "Look: <image>,img/2.png,blue\n")  # fmt: skip
+    train, _ = load_grpo_dataset(str(csv))
+    assert len(train) == 2
+    first, second = train[0]["images"], train[1]["images"]
+    assert [im.getpixel((0, 0)) for im in first] == [(0, 0, 0), (80, 0, 0)]
+    assert [im.getpixel((0, 0)) for im in second] == [(160, 0, 0)]
+
+
 # ----- clips: JSONL with paths, Parquet, video folders -----
 
 

@@ -217,7 +217,8 @@ def _media_as_features(
         feature = dataset.features[column]
         inner = feature.feature if isinstance(feature, (List, Sequence)) else feature
         if isinstance(inner, Value) and inner.dtype in ("string", "large_string", "binary", "large_binary"):
-            dataset = _resolve_images(dataset, column, as_list=inner is not feature, base_dir=base_dir)
+            as_list = inner is not feature or _holds_path_lists(dataset[column])
+            dataset = _resolve_images(dataset, column, as_list=as_list, base_dir=base_dir)
     for column in dict.fromkeys(c for c in (video_column, *VIDEO_COLUMNS) if c in dataset.column_names):
         feature = dataset.features[column]
         inner = feature.feature if isinstance(feature, (List, Sequence)) else feature
@@ -268,6 +269,22 @@ def _absolute_clip(value: Any, base_dir: str) -> Any:
     return os.path.join(base_dir, os.path.expanduser(value))
 
 
+def _path_list(value: Any) -> list[str] | None:
+    """A CSV cell's JSON list of paths (`["img/0.png", "img/1.png"]`: a CSV has no list type) as that list, else None."""
+    if not isinstance(value, str) or not value.lstrip().startswith("["):
+        return None
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, list) and all(isinstance(v, str) for v in parsed) else None
+
+
+def _holds_path_lists(values: list[Any]) -> bool:
+    """Whether a string image column holds JSON lists of paths (each such cell was read as one missing file)."""
+    return any(_path_list(v) is not None for v in values)
+
+
 def _resolve_images(dataset: Any, column: str, as_list: bool, base_dir: str) -> Any:
     from datasets import Features, Image, List
 
@@ -280,7 +297,12 @@ def _resolve_images(dataset: Any, column: str, as_list: bool, base_dir: str) -> 
         return {"bytes": None, "path": os.path.join(base_dir, os.path.expanduser(value))}
 
     def fix_batch(batch: dict[str, list]) -> dict[str, list]:
-        return {column: [[fix(v) for v in (row or [])] if as_list else fix(row) for row in batch[column]]}
+        def cells(row: Any) -> list[Any]:  # a list column's row, a JSON list of paths, or one path
+            if isinstance(row, list) or row is None:
+                return row or []
+            return _path_list(row) or [row]
+
+        return {column: [[fix(v) for v in cells(row)] if as_list else fix(row) for row in batch[column]]}
 
     features = Features({**dataset.features, column: List(Image()) if as_list else Image()})
     return dataset.map(fix_batch, batched=True, features=features, desc=f"resolving `{column}`")
