@@ -91,3 +91,20 @@ def test_a_text_only_dataset_has_no_image_column_and_a_misnamed_one_is_refused(t
     assert "image" not in loaded.columns and not loaded.image_found_by_content
     with pytest.raises(DatasetError, match="column `img` is named like an image column .* --image_column img"):
         load_dataset_rows(_rows_file(tmp_path, ".jsonl", "img", ["a", "b"]), prompt_column="question")
+
+
+def test_a_second_image_column_beside_image_is_named_as_not_shown(tmp_path, caplog):
+    """`image` is the model's; another column of images reaches only the rewards, and the log says so."""
+    for i in range(2):
+        Image.new("RGB", (16, 16), (40 * i, 0, 0)).save(tmp_path / f"{i}.png")
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"question": "Same?", "image": f"{i}.png", "reference": f"{1 - i}.png",
+                                        "answer": "no"}) + "\n" for i in range(2)))  # fmt: skip
+    with caplog.at_level("WARNING"):
+        loaded = load_dataset_rows(str(path), prompt_column="question")
+    assert loaded.columns["image"] == "image" and not loaded.image_found_by_content
+    assert "column(s) `reference` also hold images; the model is shown only `image`'s" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        load_dataset_rows(_rows_file(tmp_path, ".jsonl", "image", ["0.png", "1.png"]), prompt_column="question")
+    assert "also hold images" not in caplog.text

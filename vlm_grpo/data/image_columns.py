@@ -10,6 +10,7 @@ of frame paths is a clip there).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ..media.columns import IMAGE_COLUMNS, IMAGE_LIKE_NAMES, VIDEO_COLUMNS, holds_images
@@ -19,6 +20,7 @@ __all__ = ["SAMPLE_ROWS", "find_image_column"]
 #: Rows a column's values are read from to tell whether it holds images: enough to see through a few empty cells,
 #: few enough to be instant on any dataset.
 SAMPLE_ROWS = 32
+_log = logging.getLogger(__name__)
 
 
 def _is_image_feature(feature: Any) -> bool:
@@ -39,7 +41,9 @@ def find_image_column(dataset: Any, given: str | None, video_column: str | None)
     """
     columns = list(dataset.column_names)
     if given is not None or any(c in columns for c in IMAGE_COLUMNS):
-        return given if given is not None else next(c for c in IMAGE_COLUMNS if c in columns)
+        chosen = given if given is not None else next(c for c in IMAGE_COLUMNS if c in columns)
+        _say_unshown_images(dataset, chosen, video_column)
+        return chosen
     if video_column in columns or any(c in columns for c in VIDEO_COLUMNS):
         # Beside clips, a column of image paths may be a clip's frames: images there are named, not guessed.
         return None
@@ -59,3 +63,18 @@ def find_image_column(dataset: Any, given: str | None, video_column: str | None)
                            f"(e.g. {str(example)[:60]!r}); if it holds images, name it with --image_column "
                            f"{named[0]}.")  # fmt: skip
     return None
+
+
+def _say_unshown_images(dataset: Any, chosen: str, video_column: str | None) -> None:
+    """One warning naming the other columns that hold images: the model sees only `chosen`'s (the others reach the
+    rewards as columns), which a dataset with `image` and `image_2` would otherwise not learn until its results."""
+    others = [c for c in dataset.column_names if c not in (chosen, video_column, *IMAGE_COLUMNS, *VIDEO_COLUMNS)]
+    if not others or len(dataset) == 0:
+        return
+    sample = dataset.select(range(min(len(dataset), SAMPLE_ROWS)))
+    unshown = [c for c in others if _is_image_feature(dataset.features[c]) or holds_images(sample[c])]
+    if unshown:
+        shown = ", ".join(f"`{c}`" for c in unshown)
+        _log.warning(f"column(s) {shown} also hold images; the model is shown only `{chosen}`'s (the others reach the "
+                     f"rewards as columns). To show several images a prompt, give them as one list in an `images` "
+                     f"column.")  # fmt: skip
