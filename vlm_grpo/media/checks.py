@@ -74,7 +74,9 @@ def drop_unreadable_rows(
     """
     skipped = SkippedRows()
     raw = undecoded(undecoded(dataset, column), clip_column)
-    image_problem = partial(_image_problem, refusal=image_refusal)
+    animated: list[str] = []  # where an animated image is, and its frames: the model is shown its first frame only
+    frame_counts: list[int] = []
+    image_problem = partial(_image_problem, refusal=image_refusal, frame_counts=frame_counts)
     for index, row in enumerate(raw.select_columns([c for c in (column, clip_column) if c])):
         where = row_names[index] if row_names is not None else f"row {index}"
         # By the column's own name: a row of `file` or `photo` holds its images there, not under `image`.
@@ -87,7 +89,10 @@ def drop_unreadable_rows(
             if value is None:
                 plural = "images" if kind == "image" else "videos"
                 raise ValueError(f"{name} {where}: {kind} {position} is None; drop it from the row's `{plural}` list.")
+            seen = len(frame_counts)
             problem = problem_of(value, decode)
+            if len(frame_counts) > seen:
+                animated.append(f"{where}, image {position}: {frame_counts[-1]} frames")
             if problem is None:
                 continue
             if not skip_bad_rows:
@@ -95,6 +100,10 @@ def drop_unreadable_rows(
             skipped.indices.append(index)
             skipped.reasons.append(f"{where}, {kind} {position}: {problem}")
             break
+    if animated:
+        logger.warning("%s: %d animated image(s) (GIF, WebP, APNG; %s): the model is shown each one's first frame; "
+                       "to show every frame, give them as clips (a `video` column).", name, len(animated),
+                       "; ".join(animated[:3]))  # fmt: skip
     if not skipped:
         return dataset, skipped
     total = len(dataset)
@@ -137,16 +146,19 @@ def undecoded(dataset: Any, column: str | None) -> Any:
         return dataset.cast_column(column, undecoded_feature)
 
 
-def _image_problem(image: Any, decode: bool, refusal: Callable[[int, int], str | None] | None = None) -> str | None:
+def _image_problem(image: Any, decode: bool, refusal: Callable[[int, int], str | None] | None = None,
+                   frame_counts: list[int] | None = None) -> str | None:  # fmt: skip
     """Why `image` cannot be used, or None: unreadable, or of a size `refusal` names. Without `decode`, only an image
     stored as a file path is checked, for the file's existence (a cheap `stat`, done even when decoding every image is
-    switched off)."""
+    switched off). An image of several frames (an animated GIF) appends their number to `frame_counts`."""
     if not decode and _exists_or_not_a_path(image, os.path.isfile):
         return None
     try:
         loaded = load_image(image)
     except ImageError as error:
         return str(error)
+    if frame_counts is not None and getattr(loaded, "n_frames", 1) > 1:
+        frame_counts.append(loaded.n_frames)
     return refusal(*loaded.size) if refusal is not None else None
 
 
