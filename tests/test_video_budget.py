@@ -29,6 +29,16 @@ def test_frames_follow_the_rate_the_cap_and_the_temporal_patch():
             VideoBudget(**bad)
 
 
+def test_a_clip_shorter_than_num_frames_is_named_once(caplog):
+    budget = VideoBudget(num_frames=14, video_processor=_Pairs())
+    with caplog.at_level("WARNING"):
+        assert len(budget.frame_indices(5, None)) == 14
+        budget.frame_indices(4, None)
+        budget.frame_indices(40, None)
+    assert caplog.text.count("a clip of 5 frames is shown as 14 (video_num_frames=14): its frames repeat") == 1
+    assert "clip of 4" not in caplog.text
+
+
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_frames_are_resized_once_to_what_the_processor_would_feed(tiny_dir, family):
     processor = load_processor(tiny_dir(family), family)

@@ -57,6 +57,7 @@ _RULES = {f.video_processor: f.video_budget for f in FAMILIES.values() if f.vide
 _KEYS = {"video_min_pixels": "shortest_edge", "video_max_pixels": "longest_edge"}
 #: The video budget's settings as `VLMGRPOConfig` and `vlm_grpo.evaluate` name them.
 VIDEO_SETTINGS = ("video_fps", "video_max_frames", "video_num_frames", "video_min_pixels", "video_max_pixels")
+_SAID_SHORT: set[int] = set()  # the `num_frames` settings a clip shorter than them was named for (once a process)
 
 
 def check_frame_sampling(fps: float | None, max_frames: int | None, num_frames: int | None) -> None:
@@ -122,6 +123,11 @@ class VideoBudget:
         given as already sampled)."""
         if self.num_frames is not None:
             count = self.num_frames
+            if total < count and count not in _SAID_SHORT:  # linspace repeats frames: say so once
+                _SAID_SHORT.add(count)
+                logger.warning(f"a clip of {total} frames is shown as {count} (video_num_frames={count}): its frames "
+                               f"repeat. Lower video_num_frames, or set video_max_frames instead (a cap, not a "
+                               f"count).")  # fmt: skip
         elif fps:
             count = min(self.max_frames, max(1, math.floor(total / fps * self.fps)))
         else:
