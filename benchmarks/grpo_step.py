@@ -72,6 +72,7 @@ VLM_VARIANTS = {
     "vlm-grpo-eager-layers": {"compile_layers": False},  # the layers' training forward and backward run eagerly
     "vlm-grpo-compiled": {"compile_layers": True},  # compiled layers asked for by name (on CPU too: the smoke test)
     "vlm-grpo-compiled-la": {"compile_linear_attention": True},  # Qwen3.5's linear-attention layers compiled too
+    "vlm-grpo-lean-la": {"compile_linear_attention": True, "fast_generation_keep_decode_memory": False},  # both
     "vlm-grpo-dynamic": {"compile_layers_dynamic": "all"},  # the layers compiled with dynamic shapes from the start
     "vlm-grpo-length": {"compile_layers_dynamic": "length"},  # ... with the rows' length a symbol from the start
     "vlm-grpo-auto": {"compile_layers_dynamic": "auto"},  # ... torch's default: static, then dynamic at a new length
