@@ -292,6 +292,28 @@ def test_linear_attention_layers_compile_with_convolution_and_scan_left_eager_an
     assert "forward" not in vars(layer)
 
 
+def test_linear_attentions_eager_wrappers_leave_the_key_a_new_process_computes(tiny_dir, monkeypatch):
+    """The wrappers are patched into transformers' module at run time: hashed as wrappers, every other layer of the
+    model had another key in a compile process (unpatched), which refused it (the trainer compiled it: the H200's
+    Qwen3.5 fresh step 2 waited 6.8 s)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    from vlm_grpo.engine import aot_keys
+    from vlm_grpo.engine.compiled_layers import LEFT_EAGER
+
+    model, _ = FastVisionModel.from_pretrained(tiny_dir("qwen3_5", words=COLORS), full_finetuning=False)
+    compiled = CompiledLayers()
+    compiled.attach(model, linear_attention=True)
+    patched = aot_keys._module_globals.__wrapped__(modeling_qwen3_5.__name__)  # not the per-process cache
+    for name in LEFT_EAGER:
+        wrapper = getattr(modeling_qwen3_5, name)
+        monkeypatch.setattr(modeling_qwen3_5, name, getattr(wrapper, aot_keys.LEFT_EAGER_MARK))  # as imported
+    assert aot_keys._module_globals.__wrapped__(modeling_qwen3_5.__name__) == patched
+    monkeypatch.setattr(modeling_qwen3_5, "l2norm", lambda x: x)  # any other patch still changes it
+    assert aot_keys._module_globals.__wrapped__(modeling_qwen3_5.__name__) != patched
+    compiled.detach()
+
+
 def test_the_trainer_compiles_linear_attention_only_when_asked(tiny_dir, tmp_path):
     plain = _trainer(tiny_dir, tmp_path, "qwen3_5", lora="both", compile_layers=True)
     asked = _trainer(tiny_dir, tmp_path, "qwen3_5", lora="both", compile_layers=True, compile_linear_attention=True)

@@ -23,7 +23,11 @@ import torch
 
 from .kernel_wrappers import wrapped_function, wrapper_forwards
 
-__all__ = ["signature_key"]
+__all__ = ["LEFT_EAGER_MARK", "signature_key"]
+
+#: The attribute holding what it wraps on each `torch.compiler.disable` wrapper `engine.compiled_layers` installs in a
+#: transformers module (Qwen3.5's convolution and chunked scan, left eager in a compiled linear-attention layer).
+LEFT_EAGER_MARK = "_left_eager"
 
 
 def _describe(value: Any) -> Any:
@@ -69,6 +73,11 @@ def _module_globals(name: str) -> str:
     for key, value in sorted(vars(sys.modules[name]).items()) if name in sys.modules else ():
         # Not dunder names: Dynamo puts its compiled frames there (`__compiled_fn_<n>_<uuid>`, `__resume_at_...`).
         if callable(value) and not key.startswith("__"):
+            if getattr(value, LEFT_EAGER_MARK, None) is not None:
+                # By what it wraps: only the linear attention calls it, and that is never compiled ahead of time, so
+                # the patch changes no saved function; keyed as the wrapper, every other layer of the model had
+                # another key in a new process (unpatched) and was compiled by the trainer's.
+                value = getattr(value, LEFT_EAGER_MARK)
             value = wrapped_function(value) or value  # a hub-kernel wrapper by what it wraps (`engine.kernel_wrappers`)
             try:
                 code = _code(value)

@@ -29,11 +29,10 @@ modules as written. Module hooks registered inside these modules after their fir
 training forward (Dynamo does not guard on hooks): `compile_layers=False` for such hooks. Not with reentrant
 checkpointing: its first forward runs without gradients (eager), its recomputation compiled (a dropout: another mask).
 
-Linear-attention layers (Qwen3.5's gated delta net, `linear_attn`) are compiled too when asked
-(`compile_linear_attention`): their projections, gates and gated norm, with the short causal convolution and the
-chunked scan left eager (called through `torch.compiler.disable`: graph breaks). Compiled, the scan's Python loop over
-64-token chunks unrolls into one graph per sequence length, and Inductor's convolution backward guards on the length:
-either recompiles at every new length (measured). Off by default until measured on the GPU.
+Linear-attention layers (Qwen3.5's gated delta net, `linear_attn`) are compiled too when asked (`compile_linear_attention`,
+off by default: compiled in the trainer's process), their convolution and chunked scan left eager (called through
+`torch.compiler.disable`: graph breaks). Compiled, the scan's loop over 64-token chunks unrolls into one graph per
+length, and Inductor's convolution backward guards on the length: either recompiles at every new length (measured).
 
 `compiled_layers` decides whether a model can take it (`unsupported_reason`); the results are the eager ones up to
 float rounding of fused kernels (tests: loss and every gradient against the eager modules).
@@ -56,6 +55,7 @@ from transformers import TrainerCallback
 from ..families import core_model
 from ..integrations.unsloth import uses_unsloth
 from ..models.modes import checkpointing_mode
+from .aot_keys import LEFT_EAGER_MARK
 from .aot_layers import AheadOfTime, ahead_of_time, in_background, no_marks, traced
 from .prefix_cache import serves
 from .quantized_generation import is_quantized_linear
@@ -282,9 +282,9 @@ def _leave_eager(module: nn.Module) -> None:
     source = sys.modules[type(module).__module__]
     for name in LEFT_EAGER:
         function = getattr(source, name, None)
-        if callable(function) and not getattr(function, "_left_eager", False):
+        if callable(function) and getattr(function, LEFT_EAGER_MARK, None) is None:
             eager = torch.compiler.disable(function)
-            eager._left_eager = True
+            setattr(eager, LEFT_EAGER_MARK, function)
             setattr(source, name, eager)
 
 

@@ -202,7 +202,9 @@ class VLMGRPOConfig(GRPOConfig):
         default=False,
         metadata={"help": "With compile_layers: also compile the linear-attention layers' training forward "
                   "(Qwen3.5's gated delta net: projections, gates, gated norm; its short convolution and chunked "
-                  "scan stay eager). The same loss and gradients; off until its GPU speed is measured."},
+                  "scan stay eager). The same loss and gradients; Qwen3.5-4B at 2 x 8 on an H200 trained in 1.77 "
+                  "s instead of 2.28 (with fast_generation_keep_decode_memory=False: peak 14.9 GiB, TRL's 15.3). Off "
+                  "by default until that is measured again on a fresh machine."},
     )  # fmt: skip
     compile_layers_dynamic: str = field(
         default="length",
