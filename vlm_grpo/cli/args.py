@@ -19,6 +19,8 @@ from typing import Any
 from ..families import model_types
 from .defaults import fit_defaults, given_flags
 from .demo import DEMO
+from .recipe import check_recipe
+from .usage import PROG, UsageError
 
 __all__ = [
     "TINY_PREFIX",
@@ -31,7 +33,6 @@ __all__ = [
 
 TINY_PREFIX = "tiny:"
 AUTO = "auto"  # --resume_from_checkpoint's value for the newest complete checkpoint in --output_dir
-PROG = "vlm-grpo"
 USAGE = f"{PROG} [--config recipe.yaml] [options]   ({PROG} --help: main options; --help-all: every flag)"
 DESCRIPTION = """\
 GRPO (reinforcement learning with verifiable rewards) for vision-language models: trains on a synthetic visual
@@ -89,10 +90,6 @@ def _lora_flag(name: str) -> Any:
 
     flag = {f.name: f for f in fields(LoraSelection)}[name]
     return field(default=flag.default, metadata={"help": f"{flag.metadata['help'].rstrip('.')} (with --use_peft)."})
-
-
-class UsageError(ValueError):
-    """Bad command-line input: `main` prints it as one line and exits with status 2, as argparse does."""
 
 
 @dataclass
@@ -317,9 +314,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, Any]:
         # Set before the config exists: it sets up the process group when built, so under `accelerate launch` a
         # later `use_cpu = True` would leave a gloo group that the trainer does not use (each rank training alone).
         parser.set_defaults(use_cpu=True)
-    argv = _with_negative_values(parser, list(sys.argv[1:] if argv is None else argv))
+    given = list(sys.argv[1:] if argv is None else argv)
+    # TrlParser reads only `--config PATH`: `--config=PATH` reached argparse whole and failed in an unpacking.
+    split = [p for t in given for p in (t.split("=", 1) if t.startswith("--config=") else [t])]
+    argv = _with_negative_values(parser, split)
     _refuse_unknown_flags(parser, argv)
-    recipe = _refuse_bad_config_file(parser, argv)
+    recipe = check_recipe(parser, argv)
     try:
         script, config = parser.parse_args_and_config(args=argv)
     except ValueError as error:  # a config's __post_init__ check (e.g. batch size vs num_generations)
@@ -359,38 +359,3 @@ def _refuse_unknown_flags(parser: Any, argv: list[str]) -> None:
         near = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
         hint = f"; did you mean {near[0]}?" if near else f" (see {PROG} --help, or --help-all for every flag)"
         raise UsageError(f"unknown flag {flag}{hint}")
-
-
-def _refuse_bad_config_file(parser: Any, argv: list[str]) -> dict[str, Any]:
-    """The `--config` YAML checked as flags are: a missing or unparsable file, or a key that is no flag, named with
-    the file, the key and the closest real one (TrlParser's own message names neither the file nor a fix). Returns
-    its settings ({} without one)."""
-    import yaml
-
-    path = next((argv[i + 1] for i, t in enumerate(argv[:-1]) if t == "--config"), None)
-    path = path or next((t.split("=", 1)[1] for t in argv if t.startswith("--config=")), None)
-    if path is None:
-        return {}
-    try:
-        with open(path, encoding="utf-8") as file:
-            recipe = yaml.safe_load(file)
-    except OSError as error:
-        raise UsageError(f"--config {path}: cannot read it ({error.strerror or error})") from error
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise UsageError(
-            f"--config {path}{where}: not valid YAML ({getattr(error, 'problem', None) or error})"
-        ) from error
-    if recipe is None:
-        return {}
-    if not isinstance(recipe, dict):
-        raise UsageError(f"--config {path}: expected `flag: value` lines, found a {type(recipe).__name__}")
-    known = {option[2:] for option in parser._option_string_actions if option.startswith("--")}
-    for key in recipe:
-        if key == "env" or str(key) in known:  # `env:` sets environment variables (TrlParser)
-            continue
-        near = difflib.get_close_matches(str(key), known, n=1, cutoff=0.75)
-        hint = f"; did you mean {near[0]}?" if near else f" (keys are flag names without --: {PROG} --help-all)"
-        raise UsageError(f"--config {path}: unknown key {key!r}{hint}")
-    return recipe
