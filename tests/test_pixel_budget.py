@@ -94,14 +94,21 @@ def test_a_budget_for_one_call_is_put_back(tiny_dir) -> None:
     assert processor_pixel_budget(processor) == before
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "glm4v"])
 def test_images_the_processor_refuses_are_skipped_before_training(tiny_dir, family, caplog) -> None:
-    # Qwen-VL's smart_resize raises for an aspect ratio over 200:1; found at a batch, it would end the run there.
+    # Qwen-VL's and GLM-4V's smart_resize raise for an aspect ratio over 200:1; found at a batch, it would end the run
+    # there. GLM-4V's budget is ours (its smart_resize budgets frames x area), its refusal its processor's.
     from datasets import Dataset
 
     from vlm_grpo.data.rows import check_dataset
 
-    budget = apply_pixel_budget(load_processor(tiny_dir(family), family), log=False)
+    processor = load_processor(tiny_dir(family), family)
+    budget = apply_pixel_budget(processor, log=False)
+    if family == "glm4v":
+        assert budget.image_processor is None and budget.max_aspect_ratio == 200
+        with pytest.raises(ValueError, match="aspect ratio"):  # the real processor, as a batch would meet it
+            processor.image_processor(images=[Image.new("RGB", (20000, 50))])
+        processor.image_processor(images=[Image.new("RGB", (300, 66))])
     sizes = [(64, 64), (20000, 50), (64, 64), (300, 20000 // 300)]  # the last, 300x66, is a fine elongated image
     dataset = Dataset.from_dict({"prompt": ["q"] * 4, "image": [Image.new("RGB", size) for size in sizes]})
     with caplog.at_level("WARNING"):

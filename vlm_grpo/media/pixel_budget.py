@@ -192,11 +192,14 @@ class PixelBudget:
 
     `image_processor` is set when the processor resizes by this budget itself (its settings are then the budget and
     `min_pixels` / `max_pixels` a copy for reading); None when the budget is ours alone (or there is none).
+    `max_aspect_ratio`: where the budget is ours, the most elongated image the processor takes (GLM-4V's own
+    `smart_resize` refuses over 200:1), or None.
     """
 
     min_pixels: int | None = None
     max_pixels: int | None = None
     image_processor: Any = None
+    max_aspect_ratio: float | None = None
 
     def fit(self, image: Image.Image) -> Image.Image:
         """`image` at the size the model is fed: the processor's own `smart_resize` size where it resizes by a budget
@@ -210,9 +213,12 @@ class PixelBudget:
         return image.resize(size, resample if isinstance(resample, int) else Image.Resampling.BICUBIC)
 
     def refusal(self, width: int, height: int) -> str | None:
-        """Why the processor would refuse a `width` x `height` image, or None. Qwen-VL's `smart_resize` raises for an
-        aspect ratio over 200:1; the dataset check asks here, so such a row is skipped up front instead of ending the
-        run at the batch that holds it."""
+        """Why the processor would refuse a `width` x `height` image, or None. Qwen-VL's and GLM-4V's `smart_resize`
+        raise for an aspect ratio over 200:1; the dataset check asks here, so such a row is skipped up front instead
+        of ending the run at the batch that holds it."""
+        if self.max_aspect_ratio is not None and max(width, height) > self.max_aspect_ratio * min(width, height):
+            return (f"the processor cannot take this {width}x{height} image (an aspect ratio over "
+                    f"{self.max_aspect_ratio:g}:1); crop or pad it to a less elongated shape")  # fmt: skip
         if self.image_processor is None:
             return None
         try:
@@ -252,7 +258,10 @@ def apply_pixel_budget(
             "each image (it is resized to the budget first) but not its image tokens; set the image processor's own "
             "`size` for those.", type(_image_processor(processor)).__name__, source, min_pixels, max_pixels,
         )  # fmt: skip
-    return PixelBudget(min_pixels, max_pixels)
+    # A processor with a `smart_resize` of its own that is not a budget of ours (GLM-4V: frames x area) refuses
+    # images over 200:1 as Qwen-VL's does.
+    module = sys.modules.get(type(_image_processor(processor)).__module__)
+    return PixelBudget(min_pixels, max_pixels, max_aspect_ratio=200.0 if hasattr(module, "smart_resize") else None)
 
 
 @contextmanager
