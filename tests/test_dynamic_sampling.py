@@ -299,3 +299,21 @@ def test_under_normalize_then_sum_it_keeps_the_groups_trl_gives_advantages(tiny_
     batch = _fill(trainer)  # the weighted sums are constant: every group was dropped, NoRewardVariance raised
     assert (batch["advantages"].view(4, G) != 0).any(dim=1).all()  # TRL's advantages: every group has a gradient
     assert trainer._metrics["train"]["dynamic_sampling/groups_kept"] == [4.0]
+
+
+@pytest.mark.trains
+@pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
+def test_batch_scaled_advantages_are_scaled_by_the_batch_trained_on(tiny_dir, tmp_path, aggregation):
+    """With half the prompts graded (0 / 1 in a group, 0 otherwise), a batch of 4 groups takes rounds whose generated
+    batches hold ungraded groups too; scaled by each round's batch (TRL's per call) the trained rows had another scale
+    than the batch they form, as verl and TRL compute it for a batch."""
+    trainer = _trainer(tiny_dir, tmp_path, Rewards(graded=lambda i: i % 2 == 0), scale_rewards="batch",
+                       multi_objective_aggregation=aggregation, max_sampling_rounds=8)  # fmt: skip
+    batch = _fill(trainer)
+    assert trainer._metrics["train"]["dynamic_sampling/groups_kept"] == [4.0]
+    assert trainer._metrics["train"]["dynamic_sampling/rounds"][0] >= 2
+    trained = torch.tensor([0.0, 1.0] * 4)  # every kept group is graded: 0, 1
+    if aggregation == "normalize_then_sum":  # each function standardised in its group first: -0.5 / 0.5 over std
+        trained = (trained - 0.5) / (math.sqrt(0.5) + 1e-4)
+    expected = (trained - trained.view(4, 2).mean(1).repeat_interleave(2)) / (trained.std() + 1e-4)
+    torch.testing.assert_close(batch["advantages"].flatten().float(), expected, rtol=1e-5, atol=1e-5)

@@ -34,6 +34,12 @@ as `dynamic_sampling/cap_hit`, with a warning the first time. A first batch with
 round raises `NoRewardVariance` (a constant reward, or a task the model always or never solves: nothing to learn);
 later in a run (the task saturating) such a batch is trained as it is, with a warning.
 
+**Advantages scaled by the batch** (`scale_rewards="batch"`, or `multi_objective_aggregation="normalize_then_sum"`,
+whose mean and std are the batch's): computed again over the batch trained on, every process's kept rows
+(`batch_advantages`), as verl computes DAPO's after filtering. Each round's own were scaled by that round's generated
+batch, dropped groups included: rows of two rounds had two scales (and under "normalize_then_sum" a mean that the
+dropped groups shifted). Per-group scaling (the default) needs nothing: a group's advantages are its own.
+
 **Metrics** (per generation batch, summed over processes): `dynamic_sampling/rounds`, `groups_generated`,
 `groups_informative` (of those generated), `groups_kept` (informative groups trained on) and `cap_hit`;
 `frac_reward_zero_std` is replaced by the share of zero-std groups in the batch trained on (0 when the batch was
@@ -59,7 +65,8 @@ from trl.trainer.utils import RepeatSampler, nanstd
 
 from .rollout_batch import concat_rollouts, loss_token_count, select_rollouts
 
-__all__ = ["DynamicSampler", "DynamicSamplingState", "NoRewardVariance", "PromptStream", "informative_groups"]
+__all__ = ["DynamicSampler", "DynamicSamplingState", "NoRewardVariance", "PromptStream", "batch_advantages",
+           "informative_groups", "row_rewards"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -68,34 +75,55 @@ class NoRewardVariance(RuntimeError):
     """Every group of a batch earned one reward for all of its completions, in every sampling round."""
 
 
+def row_rewards(
+    rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
+    aggregation: str = "sum_then_normalize",
+) -> torch.Tensor:  # fmt: skip
+    """Each row's reward as TRL computes it for its advantages under `aggregation` ([rows]): the weighted sum of
+    `rewards_per_func` ([rows, functions], NaN where a function did not score it), each function's rewards first
+    standardised within the group under "normalize_then_sum"; NaN for a row no function scored."""
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    if aggregation == "normalize_then_sum":
+        grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.shape[1])
+        mean, std = torch.nanmean(grouped, dim=1, keepdim=True), nanstd(grouped, dim=1, keepdim=True)
+        rewards_per_func = ((grouped - mean) / (std + 1e-4)).view(-1, rewards_per_func.shape[1])
+    rewards = (rewards_per_func * weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = torch.nan
+    return rewards
+
+
 def informative_groups(
     rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
     aggregation: str = "sum_then_normalize",
 ) -> torch.Tensor:  # fmt: skip
     """For each group of `num_generations` consecutive rows: whether its completions' rewards differ.
 
-    The reward of a completion is the weighted sum of `rewards_per_func` ([rows, functions], NaN where a function
-    did not score it), NaN when no function scored it, as TRL computes it for its `multi_objective_aggregation`
-    `aggregation`: with "normalize_then_sum" each function's rewards are first standardised within the group. A group
+    The rewards are :func:`row_rewards` (as TRL computes them for `aggregation`: under "normalize_then_sum" rewards
+    whose weighted sum is constant in a group can still differ once each is standardised, as in TRL's GDPO). A group
     is informative when at least two of its completions were scored and their standard deviation is not zero (TRL's
     `frac_reward_zero_std` test), i.e. when TRL gives it advantages.
     """
-    unscorable = torch.isnan(rewards_per_func).all(dim=1)
-    if aggregation == "normalize_then_sum":
-        # As TRL's GDPO: rewards whose weighted sum is constant in a group can still differ once each is standardised
-        # (their advantages are not zero), so the test is on the standardised sum.
-        grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.shape[1])
-        mean, std = torch.nanmean(grouped, dim=1, keepdim=True), nanstd(grouped, dim=1, keepdim=True)
-        rewards_per_func = ((grouped - mean) / (std + 1e-4)).view(-1, rewards_per_func.shape[1])
-    rewards = (rewards_per_func * weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
-    rewards[unscorable] = torch.nan
-    grouped = rewards.view(-1, num_generations)
+    grouped = row_rewards(rewards_per_func, weights, num_generations, aggregation).view(-1, num_generations)
     scored = ~torch.isnan(grouped)
     count = scored.sum(dim=1)
     mean = grouped.nansum(dim=1) / count.clamp(min=1)
     variance = ((grouped - mean.unsqueeze(1)) ** 2).nansum(dim=1) / (count - 1).clamp(min=1)
     std = variance.sqrt()
     return (count >= 2) & ~torch.isclose(std, torch.zeros_like(std))
+
+
+def batch_advantages(
+    rewards: torch.Tensor, everyone: torch.Tensor, num_generations: int, aggregation: str
+) -> torch.Tensor:
+    """The advantages of one process's trained rows (`rewards`, :func:`row_rewards` of them) where TRL scales by the
+    whole batch (`scale_rewards="batch"`, or `aggregation="normalize_then_sum"`), computed over the batch trained on
+    (`everyone`: every process's trained rows' rewards), as verl computes DAPO's after filtering: from the rounds'
+    own advantages, each round's rows were scaled by that round's generated batch, dropped groups included."""
+    std = nanstd(everyone) + 1e-4
+    if aggregation == "normalize_then_sum":
+        return torch.nan_to_num((rewards - torch.nanmean(everyone)) / std, nan=0.0)
+    group_mean = torch.nanmean(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
+    return torch.nan_to_num((rewards - group_mean) / std, nan=0.0)
 
 
 class PromptStream:
@@ -230,7 +258,7 @@ class DynamicSampler:
         metrics = trainer._metrics["train"]
         zero_std_logged = len(metrics["frac_reward_zero_std"])
 
-        kept_parts, spare_parts = [], []
+        kept_parts, spare_parts, kept_rewards, spare_rewards = [], [], [], []
         kept = torch.zeros(processes, dtype=torch.long)  # informative groups each process has, up to `groups`
         spare = 0  # this process's zero-std groups set aside in case the rounds run out
         generated = informative = rounds = 0
@@ -244,16 +272,20 @@ class DynamicSampler:
             # Gathered over processes (process p's rows p*rows...), so every process sees the same table.
             table = informative_groups(rewards, trainer.reward_weights, G, trainer.multi_objective_aggregation)
             table = table.view(processes, groups).cpu()
+            mine_rewards = row_rewards(rewards, trainer.reward_weights, G, trainer.multi_objective_aggregation)
+            mine_rewards = mine_rewards.view(processes, rows)[rank]
             generated += processes * groups
             informative += int(table.sum())
             if len(rewards_seen) <= 8:
                 rewards_seen.update((rewards * trainer.reward_weights.to(rewards.device)).nansum(1).unique().tolist())
             mine = torch.nonzero(table[rank]).flatten()[: groups - int(kept[rank])].tolist()
             if mine:
-                kept_parts.append(select_rollouts(batch, [g * G + j for g in mine for j in range(G)]))
+                kept_parts.append(select_rollouts(batch, picked := [g * G + j for g in mine for j in range(G)]))
+                kept_rewards.append(mine_rewards[picked])
             zero = torch.nonzero(~table[rank]).flatten()[: groups - spare].tolist()
             if zero:
-                spare_parts.append(select_rollouts(batch, [g * G + j for g in zero for j in range(G)]))
+                spare_parts.append(select_rollouts(batch, picked := [g * G + j for g in zero for j in range(G)]))
+                spare_rewards.append(mine_rewards[picked])
                 spare += len(zero)
             kept = torch.minimum(kept + table.sum(dim=1), torch.tensor(groups))
 
@@ -265,8 +297,14 @@ class DynamicSampler:
             part = spare_parts.pop(0)
             take = min(missing, part["prompt_ids"].shape[0] // G)
             parts.append(select_rollouts(part, range(take * G)))
+            kept_rewards.append(spare_rewards.pop(0)[: take * G])
             missing -= take
         out = concat_rollouts(parts, trainer._tokenizer.pad_token_id)
+        if trainer.scale_rewards == "batch" or trainer.multi_objective_aggregation == "normalize_then_sum":
+            trained = torch.cat(kept_rewards)
+            everyone = accelerator.gather(trained)
+            advantages = batch_advantages(trained, everyone, G, trainer.multi_objective_aggregation)
+            out["advantages"] = advantages.to(out["advantages"].device, out["advantages"].dtype)
         out["num_items_in_batch"] = accelerator.gather(loss_token_count(out)).sum()
 
         trained_informative = int(kept.sum())
