@@ -438,6 +438,8 @@ def test_a_config_file_is_read_with_or_without_an_equals_sign(tmp_path):
         parse_args(["--config", str(recipe)])
     recipe.write_text("reward_weights: [1.0]\n")
     assert parse_args(["--config", str(recipe)])[1].reward_weights == [1.0]
+    recipe.write_text("debug: underflow_overflow\n")  # `str | list[...]`: TrainingArguments splits it itself
+    assert [o.value for o in parse_args(["--config", str(recipe)])[1].debug] == ["underflow_overflow"]
 
 
 def test_resume_from_checkpoint_takes_a_path_or_no_value():

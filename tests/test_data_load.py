@@ -122,9 +122,9 @@ def test_a_csv_cell_holding_a_json_list_of_paths_is_that_many_images(tmp_path):
     _jsonl(tmp_path, [])
     csv = tmp_path / "train.csv"
     csv.write_text('prompt,images,answer\nCompare <image> and <image>.,"[""img/0.png"", ""img/1.png""]",red\n'
-                   "Look: <image>,img/2.png,blue\n")  # fmt: skip
+                   "Look: <image>,img/2.png,blue\nNo image here.,[],green\n")  # fmt: skip
     train, _ = load_grpo_dataset(str(csv))
-    assert len(train) == 2
+    assert len(train) == 3 and train[2]["images"] == []  # `[]`: no image, not a file named "[]"
     first, second = train[0]["images"], train[1]["images"]
     assert [im.getpixel((0, 0)) for im in first] == [(0, 0, 0), (80, 0, 0)]
     assert [im.getpixel((0, 0)) for im in second] == [(160, 0, 0)]

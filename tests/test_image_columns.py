@@ -105,6 +105,10 @@ def test_a_second_image_column_beside_image_is_named_as_not_shown(tmp_path, capl
     assert loaded.columns["image"] == "image" and not loaded.image_found_by_content
     assert "column(s) `reference` also hold images; the model is shown only `image`'s" in caplog.text
     caplog.clear()
+    with caplog.at_level("WARNING"):  # the model's column named: `image` beside it is the one not shown
+        load_dataset_rows(str(path), prompt_column="question", image_column="reference")
+    assert "column(s) `image` also hold images; the model is shown only `reference`'s" in caplog.text
+    caplog.clear()
     with caplog.at_level("WARNING"):
         load_dataset_rows(_rows_file(tmp_path, ".jsonl", "image", ["0.png", "1.png"]), prompt_column="question")
     assert "also hold images" not in caplog.text

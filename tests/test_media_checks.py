@@ -21,6 +21,11 @@ def test_animated_images_are_named_with_their_frames(tmp_path, caplog):
     assert len(kept) == 2 and not skipped
     assert "train.jsonl: 1 animated image(s) (GIF, WebP, APNG; row 1, image 0: 3 frames)" in caplog.text
     caplog.clear()
+    frames[0].save(tmp_path / "pages.tiff", save_all=True, append_images=frames[1:])  # pages, not an animation
+    assert PILImage.open(tmp_path / "pages.tiff").n_frames == 3
+    still = Dataset.from_dict(
+        {"image": [paths[0], str(tmp_path / "pages.tiff")]}, features=Features({"image": Image()})
+    )
     with caplog.at_level("WARNING"):
-        drop_unreadable_rows(dataset.select([0]), "image", "train.jsonl")
+        drop_unreadable_rows(still, "image", "train.jsonl")
     assert "animated" not in caplog.text

@@ -21,6 +21,8 @@ CASES = [
     ("tag only inside the thinking", "<think>x<answer>7</answer></think>", False),
     ("box in the thinking, another conclusion", "<think>\\boxed{7}?</think> The answer is 8", False),
     ("two thinking blocks", "<think>a</think> b <think>c</think> 7", True),
+    ("tags in capitals", "<THINK>maybe 6</Think> 7", True),
+    ("only in capitalised thinking", "<THINK>It is 7</THINK>", False),
 ]
 
 

@@ -37,6 +37,10 @@ def test_a_clip_shorter_than_num_frames_is_named_once(caplog):
         budget.frame_indices(40, None)
     assert caplog.text.count("a clip of 5 frames is shown as 14 (video_num_frames=14): its frames repeat") == 1
     assert "clip of 4" not in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # 5 rounds down to 4 (pairs of frames): a clip of 4 repeats none
+        assert VideoBudget(num_frames=5, video_processor=_Pairs()).frame_indices(4, None) == [0, 1, 2, 3]
+    assert "repeat" not in caplog.text
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])

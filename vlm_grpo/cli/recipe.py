@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import difflib
+import types
+import typing
 from typing import Any
 
 from .usage import PROG, UsageError
@@ -44,6 +46,21 @@ def check_recipe(parser: Any, argv: list[str]) -> dict[str, Any]:
         raise UsageError(f"--config {path}: unknown key {key!r}{hint}")
     for key, value in recipe.items():
         action = parser._option_string_actions.get(f"--{key}")
-        if action is not None and action.nargs in ("+", "*") and value is not None and not isinstance(value, list):
+        if action is None or action.nargs not in ("+", "*") or value is None or isinstance(value, list):
+            continue
+        if not _takes_a_single_value(parser, str(key)):  # `debug: underflow_overflow` is split by its owner
             raise UsageError(f"--config {path}: {key} takes a list; write `{key}: [{value}]`")
     return recipe
+
+
+def _takes_a_single_value(parser: Any, name: str) -> bool:
+    """Whether the field `name` of the parser's dataclasses also takes a value that is not a list (`str | list[...]`)."""
+    for cls in parser.dataclass_types:
+        try:
+            hint = typing.get_type_hints(cls).get(name)
+        except (NameError, TypeError):  # an annotation naming something not importable here: judged by the flag
+            hint = None
+        if hint is not None:
+            members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+            return any(m is not type(None) and typing.get_origin(m) not in (list, tuple) for m in members)
+    return False

@@ -68,13 +68,27 @@ def find_image_column(dataset: Any, given: str | None, video_column: str | None)
 def _say_unshown_images(dataset: Any, chosen: str, video_column: str | None) -> None:
     """One warning naming the other columns that hold images: the model sees only `chosen`'s (the others reach the
     rewards as columns), which a dataset with `image` and `image_2` would otherwise not learn until its results."""
-    others = [c for c in dataset.column_names if c not in (chosen, video_column, *IMAGE_COLUMNS, *VIDEO_COLUMNS)]
+    # `image` beside `images` is refused where rows are made; `--image_column photo` beside `image` is said here.
+    skip = (chosen, video_column, *VIDEO_COLUMNS, *(IMAGE_COLUMNS if chosen in IMAGE_COLUMNS else ()))
+    features = dataset.features
+    others = [c for c in dataset.column_names if c not in skip and _may_hold_images(features[c])]
     if not others or len(dataset) == 0:
         return
-    sample = dataset.select(range(min(len(dataset), SAMPLE_ROWS)))
-    unshown = [c for c in others if _is_image_feature(dataset.features[c]) or holds_images(sample[c])]
+    sample = dataset.select(range(min(len(dataset), SAMPLE_ROWS))).select_columns(others)  # no other column decoded
+    unshown = [c for c in others if _is_image_feature(features[c]) or holds_images(sample[c])]
     if unshown:
         shown = ", ".join(f"`{c}`" for c in unshown)
         _log.warning(f"column(s) {shown} also hold images; the model is shown only `{chosen}`'s (the others reach the "
                      f"rewards as columns). To show several images a prompt, give them as one list in an `images` "
                      f"column.")  # fmt: skip
+
+
+def _may_hold_images(feature: Any) -> bool:
+    """Whether a column of `feature` can hold images: an `Image` feature, or strings / bytes (paths, URLs, encoded
+    files), one or a list a row; not audio, video or numbers, which are not decoded to find out."""
+    from datasets import List, Sequence, Value
+
+    inner = feature.feature if isinstance(feature, (List, Sequence)) else feature
+    return _is_image_feature(feature) or (
+        isinstance(inner, Value) and inner.dtype in ("string", "large_string", "binary", "large_binary")
+    )

@@ -217,7 +217,7 @@ def _media_as_features(
         feature = dataset.features[column]
         inner = feature.feature if isinstance(feature, (List, Sequence)) else feature
         if isinstance(inner, Value) and inner.dtype in ("string", "large_string", "binary", "large_binary"):
-            as_list = inner is not feature or _holds_path_lists(dataset[column])
+            as_list = inner is not feature or _holds_path_lists(dataset, column, inner.dtype)
             dataset = _resolve_images(dataset, column, as_list=as_list, base_dir=base_dir)
     for column in dict.fromkeys(c for c in (video_column, *VIDEO_COLUMNS) if c in dataset.column_names):
         feature = dataset.features[column]
@@ -280,9 +280,16 @@ def _path_list(value: Any) -> list[str] | None:
     return parsed if isinstance(parsed, list) and all(isinstance(v, str) for v in parsed) else None
 
 
-def _holds_path_lists(values: list[Any]) -> bool:
-    """Whether a string image column holds JSON lists of paths (each such cell was read as one missing file)."""
-    return any(_path_list(v) is not None for v in values)
+def _holds_path_lists(dataset: Any, column: str, dtype: str) -> bool:
+    """Whether a string image column holds JSON lists of paths (each such cell was read as one missing file): the
+    cells starting with "[" found in Arrow, only those parsed."""
+    import pyarrow.compute as pc
+
+    if dtype not in ("string", "large_string"):
+        return False
+    cells = dataset.data.column(column)
+    bracketed = cells.filter(pc.fill_null(pc.starts_with(pc.utf8_ltrim_whitespace(cells), "["), False))
+    return any(_path_list(v) is not None for v in bracketed.to_pylist())
 
 
 def _resolve_images(dataset: Any, column: str, as_list: bool, base_dir: str) -> Any:
@@ -300,7 +307,8 @@ def _resolve_images(dataset: Any, column: str, as_list: bool, base_dir: str) -> 
         def cells(row: Any) -> list[Any]:  # a list column's row, a JSON list of paths, or one path
             if isinstance(row, list) or row is None:
                 return row or []
-            return _path_list(row) or [row]
+            listed = _path_list(row)
+            return listed if listed is not None else [row]
 
         return {column: [[fix(v) for v in cells(row)] if as_list else fix(row) for row in batch[column]]}
 

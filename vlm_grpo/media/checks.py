@@ -40,6 +40,7 @@ class SkippedRows:
 #: looks wrong as a whole (a wrong media root, a broken download), and training on the rest would quietly teach
 #: something else.
 MAX_BAD_FRACTION = 0.5
+_ANIMATED_FORMATS = ("GIF", "PNG", "WEBP")  # the formats whose frames are an animation (APNG is PNG)
 
 
 def drop_unreadable_rows(
@@ -157,7 +158,8 @@ def _image_problem(image: Any, decode: bool, refusal: Callable[[int, int], str |
         loaded = load_image(image)
     except ImageError as error:
         return str(error)
-    if frame_counts is not None and getattr(loaded, "n_frames", 1) > 1:
+    # Not a phone's MPO JPEG (a preview or depth frame beside the photo) or a multi-page TIFF: frames of one moment.
+    if frame_counts is not None and loaded.format in _ANIMATED_FORMATS and getattr(loaded, "n_frames", 1) > 1:
         frame_counts.append(loaded.n_frames)
     return refusal(*loaded.size) if refusal is not None else None
 

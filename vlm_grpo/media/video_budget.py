@@ -123,17 +123,17 @@ class VideoBudget:
         given as already sampled)."""
         if self.num_frames is not None:
             count = self.num_frames
-            if total < count and count not in _SAID_SHORT:  # linspace repeats frames: say so once
-                _SAID_SHORT.add(count)
-                logger.warning(f"a clip of {total} frames is shown as {count} (video_num_frames={count}): its frames "
-                               f"repeat. Lower video_num_frames, or set video_max_frames instead (a cap, not a "
-                               f"count).")  # fmt: skip
         elif fps:
             count = min(self.max_frames, max(1, math.floor(total / fps * self.fps)))
         else:
             count = min(self.max_frames, total)
         step = self.temporal_patch
         count = max(step, count - count % step)
+        if self.num_frames is not None and total < count and self.num_frames not in _SAID_SHORT:
+            _SAID_SHORT.add(self.num_frames)  # linspace repeats frames: said once
+            logger.warning(f"a clip of {total} frames is shown as {count} (video_num_frames={self.num_frames}): its "
+                           f"frames repeat. Lower video_num_frames, or set video_max_frames instead (a cap, not a "
+                           f"count).")  # fmt: skip
         return np.linspace(0, total - 1, count).round().astype(int).tolist()
 
     def fit(self, clip: Clip) -> Clip:

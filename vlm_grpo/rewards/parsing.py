@@ -22,6 +22,8 @@ _BOXED_START_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _MARKER_RE = re.compile(r"(?i:answer)\**\s*(?:(?i:is)\b|[:=])[\s:*]*")
 # A sentence ends at ".", "!", "?" or ";" followed by whitespace (so "1.5" and "$1.5$" survive) or at a line break.
 _SENTENCE_END_RE = re.compile(r"[.!?;](?=\s)|\n")
+_THINK_OPEN_RE = re.compile(r"<think>", re.IGNORECASE)
+_THINK_CLOSE_RE = re.compile(r"</think>", re.IGNORECASE)
 _ANSWER_OPEN_RE = re.compile(r"<answer>", re.IGNORECASE)
 _ANSWER_CLOSE_RE = re.compile(r"</answer>", re.IGNORECASE)
 _TEXT_WRAPPER_RE = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
@@ -52,13 +54,12 @@ def last_boxed(text: str) -> str | None:
 
 
 def conclusion(text: str) -> str:
-    """The part of a completion after its reasoning: the text after the last ``</think>``; the whole text when it has
-    no ``<think>`` tag (no reasoning, or a chat template that opened the thinking in the prompt); "" when a
+    """The part of a completion after its reasoning: the text after the last ``</think>`` (in any case); the whole text
+    when it has no ``<think>`` tag (no reasoning, or a chat template that opened the thinking in the prompt); "" when a
     ``<think>`` is left open at the end (cut off while reasoning: there is no conclusion yet)."""
-    _, sep, tail = text.rpartition("</think>")
-    if "<think>" in (tail if sep else text):
-        return ""
-    return tail if sep else text
+    closes = list(_THINK_CLOSE_RE.finditer(text))
+    tail = text[closes[-1].end() :] if closes else text
+    return "" if _THINK_OPEN_RE.search(tail) else tail
 
 
 def extract_answer(text: str) -> str | None:
