@@ -106,6 +106,9 @@ class Family:
     #: Whether the processor takes a batch of prompts that tokenize to different lengths without padding
     #: (PaliGemma's `labels` and Pixtral's tensors do not); if not, distinct prompts are processed one by one.
     batched_prompts: bool = True
+    #: Without a pixel budget of ours: the most elongated image (long side : short side) the processor takes (GLM-4V's
+    #: own `smart_resize` raises over 200:1), checked up front; None: any.
+    max_aspect_ratio: float | None = None
 
     @property
     def needs_torchvision_standins(self) -> bool:
@@ -277,7 +280,7 @@ _PALIGEMMA = dataclasses.replace(
 _GLM4V = dataclasses.replace(
     _QWEN2_VL, model_type="glm4v", processor_class="Glm4vProcessor", image_package="glm4v",
     pil_image_processor="Glm4vImageProcessorPil", pixel_budget=False, video_processor="Glm4vVideoProcessor",
-    video_budget=None, dict_mask=False, box_frame=None,
+    video_budget=None, dict_mask=False, box_frame=None, max_aspect_ratio=200.0,
 )  # fmt: skip
 _GLM46V = dataclasses.replace(
     _GLM4V, model_type="glm46v", processor_class="Glm46VProcessor", image_package="glm46v",

@@ -181,8 +181,9 @@ def tool_suffix_ids(processor: Any, tool_messages: list[dict[str, Any]],
     from trl import GRPOTrainer
 
     tokenizer = getattr(processor, "tokenizer", processor)
-    trainer = SimpleNamespace(processing_class=processor, chat_template=None, chat_template_kwargs=dict(chat_template_kwargs or {}),
-                              _is_vlm=tokenizer is not processor, _tokenizer=tokenizer)  # fmt: skip
+    trainer = SimpleNamespace(processing_class=processor, chat_template=None,
+                              chat_template_kwargs=dict(chat_template_kwargs or {}), _is_vlm=tokenizer is not processor,
+                              _tokenizer=tokenizer)  # fmt: skip
     return list(GRPOTrainer._get_tool_suffix_ids(trainer, tool_messages))
 
 

@@ -54,6 +54,9 @@ logger = logging.getLogger(__name__)
 _BUDGET_MODULES = tuple(
     sorted({f"transformers.models.{f.image_package}." for f in FAMILIES.values() if f.pixel_budget})
 )
+# The families without a budget of ours whose processors refuse elongated images, by image processor module.
+_ASPECT_LIMITS = {f"transformers.models.{f.image_package}.": f.max_aspect_ratio for f in FAMILIES.values()
+                  if f.max_aspect_ratio is not None}  # fmt: skip
 # Where those processors keep the budget: size["shortest_edge"] is min_pixels, size["longest_edge"] max_pixels.
 _KEYS = {"min_pixels": "shortest_edge", "max_pixels": "longest_edge"}
 
@@ -192,8 +195,8 @@ class PixelBudget:
 
     `image_processor` is set when the processor resizes by this budget itself (its settings are then the budget and
     `min_pixels` / `max_pixels` a copy for reading); None when the budget is ours alone (or there is none).
-    `max_aspect_ratio`: where the budget is ours, the most elongated image the processor takes (GLM-4V's own
-    `smart_resize` refuses over 200:1), or None.
+    `max_aspect_ratio`: where the budget is ours, the most elongated image the processor takes
+    (`Family.max_aspect_ratio`), or None.
     """
 
     min_pixels: int | None = None
@@ -258,10 +261,9 @@ def apply_pixel_budget(
             "each image (it is resized to the budget first) but not its image tokens; set the image processor's own "
             "`size` for those.", type(_image_processor(processor)).__name__, source, min_pixels, max_pixels,
         )  # fmt: skip
-    # A processor with a `smart_resize` of its own that is not a budget of ours (GLM-4V: frames x area) refuses
-    # images over 200:1 as Qwen-VL's does.
-    module = sys.modules.get(type(_image_processor(processor)).__module__)
-    return PixelBudget(min_pixels, max_pixels, max_aspect_ratio=200.0 if hasattr(module, "smart_resize") else None)
+    module = type(_image_processor(processor)).__module__
+    limit = next((ratio for prefix, ratio in _ASPECT_LIMITS.items() if module.startswith(prefix)), None)
+    return PixelBudget(min_pixels, max_pixels, max_aspect_ratio=limit)
 
 
 @contextmanager

@@ -53,10 +53,10 @@ def _boxes_in(text: str) -> list[list[float]]:
 def parse_box(text: str) -> list[float] | None:
     """The one box a completion answers with, as ``[x1, y1, x2, y2]`` (corners sorted), or None.
 
-    Read from the last answer tag after the thinking if there is one, else from the text after ``</think>``. Notations: ``[x1, y1, x2,
-    y2]``, ``(x1, y1, x2, y2)``, bare ``x1,y1,x2,y2``, Qwen2.5-VL JSON ``{"bbox_2d": [...]}`` and Qwen2-VL
-    ``(x1,y1),(x2,y2)``. Several *distinct* boxes give None (zero credit): scoring the best or the last of several
-    would pay a model for scattering guesses. The same box repeated counts once.
+    Read from the last answer tag after the thinking if there is one, else from the text after ``</think>``.
+    Notations: ``[x1, y1, x2, y2]``, ``(x1, y1, x2, y2)``, bare ``x1,y1,x2,y2``, Qwen2.5-VL JSON ``{"bbox_2d":
+    [...]}`` and Qwen2-VL ``(x1,y1),(x2,y2)``. Several *distinct* boxes give None (zero credit): scoring the best or
+    the last of several would pay a model for scattering guesses. The same box repeated counts once.
     """
     tagged = last_answer_tag(conclusion(text))
     boxes = {tuple(b) for b in _boxes_in(tagged if tagged is not None else final_segment(text))}

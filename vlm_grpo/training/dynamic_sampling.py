@@ -66,7 +66,7 @@ from trl.trainer.utils import RepeatSampler, nanstd
 from .rollout_batch import concat_rollouts, loss_token_count, select_rollouts
 
 __all__ = ["DynamicSampler", "DynamicSamplingState", "NoRewardVariance", "PromptStream", "batch_advantages",
-           "informative_groups", "row_rewards"]  # fmt: skip
+           "informative_groups", "rewards_vary", "row_rewards"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,13 @@ def informative_groups(
     is informative when at least two of its completions were scored and their standard deviation is not zero (TRL's
     `frac_reward_zero_std` test), i.e. when TRL gives it advantages.
     """
-    grouped = row_rewards(rewards_per_func, weights, num_generations, aggregation).view(-1, num_generations)
+    return rewards_vary(row_rewards(rewards_per_func, weights, num_generations, aggregation), num_generations)
+
+
+def rewards_vary(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """For each group of `num_generations` consecutive `rewards` (:func:`row_rewards`): whether at least two were
+    scored and their standard deviation is not zero."""
+    grouped = rewards.view(-1, num_generations)
     scored = ~torch.isnan(grouped)
     count = scored.sum(dim=1)
     mean = grouped.nansum(dim=1) / count.clamp(min=1)
@@ -270,10 +276,9 @@ class DynamicSampler:
             batch = self.score([row for row in dataset_rows for _ in range(G)])
             rewards = trainer._last_rewards_per_func
             # Gathered over processes (process p's rows p*rows...), so every process sees the same table.
-            table = informative_groups(rewards, trainer.reward_weights, G, trainer.multi_objective_aggregation)
-            table = table.view(processes, groups).cpu()
-            mine_rewards = row_rewards(rewards, trainer.reward_weights, G, trainer.multi_objective_aggregation)
-            mine_rewards = mine_rewards.view(processes, rows)[rank]
+            every_row = row_rewards(rewards, trainer.reward_weights, G, trainer.multi_objective_aggregation)
+            table = rewards_vary(every_row, G).view(processes, groups).cpu()  # `informative_groups`, rewards kept
+            mine_rewards = every_row.view(processes, rows)[rank]
             generated += processes * groups
             informative += int(table.sum())
             if len(rewards_seen) <= 8:
