@@ -56,6 +56,20 @@ def test_scorer_sees_its_row_even_with_columns_named_text_or_gold() -> None:
     assert seen == [("c", "a", {"text": "t", "gold": "g", "prompt": "q"})]
 
 
+def test_thinking_column_reaches_the_text_not_the_scorer() -> None:
+    seen = []
+
+    @batch_reward(gold_column="answer")
+    def spy(text: str, gold: Any, /, **row: Any) -> float:
+        seen.append((text, row))
+        return 0.0
+
+    spy(["q", "q"], ["a</think>b", "c"], answer=["1", "1"], **{R.THINKING_COLUMN: [True, False]})
+    assert seen == [("<think>a</think>b", {"prompt": "q"}), ("c", {"prompt": "q"})]
+    with pytest.raises(ValueError, match=f"`{R.THINKING_COLUMN}` has 1 values"):
+        spy(None, ["a", "b"], answer=["1", "1"], **{R.THINKING_COLUMN: [True]})
+
+
 def test_predictions_are_logged_in_trls_completions_table() -> None:
     logged: dict[str, list[str]] = {}
     exact(None, ["<answer>4</answer>", "none"], answer=["4", "5"],

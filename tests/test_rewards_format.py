@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vlm_grpo.rewards import think_answer_format, think_format_reward
+from vlm_grpo.rewards import THINKING_COLUMN, think_answer_format, think_format_reward
 
 CASES = [
     ("multi-line body", "<think>step 1\nstep 2</think>\n<answer>42</answer>", 1.0),
@@ -37,3 +37,12 @@ def test_think_format_reward_accepts_strings_and_chat() -> None:
         1.0,
         0.0,
     ]
+
+
+def test_format_rewards_read_the_think_the_prompt_opened() -> None:
+    # Under a template that ends the prompt with `<think>`, a well-formed completion has only the closing tag.
+    texts = ["x</think><answer>7</answer>", "<answer>7</answer>", "<think>x</think><answer>7</answer>"]
+    opened = {THINKING_COLUMN: [True] * 3}
+    assert think_answer_format(None, texts) == [0.0, 0.0, 1.0]
+    assert think_answer_format(None, texts, **opened) == [1.0, 0.0, 1.0]
+    assert think_format_reward(texts, **opened) == [1.0, 0.0, 1.0]

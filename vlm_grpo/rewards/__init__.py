@@ -22,7 +22,16 @@ from trl.rewards import (
     reasoning_accuracy_reward,
 )
 
-from .adaptor import BatchReward, Completion, RewardFunc, Scorer, batch_reward, completion_text
+from .adaptor import (
+    THINKING_COLUMN,
+    BatchReward,
+    Completion,
+    RewardFunc,
+    Scorer,
+    batch_reward,
+    completion_text,
+    completion_texts,
+)
 from .anls import anls, anls_score
 from .answer_choice import answer_choice, closed_vocabulary, make_answer_choice_reward
 from .choice import LETTERS, extract_choice, make_choice_reward, multiple_choice
@@ -30,12 +39,13 @@ from .counting import counting, extract_count
 from .format import think_answer_format, think_format_reward
 from .grounding import FRAMES, box_iou, coordinate_frame_for, iou, iou_threshold, make_iou_reward, parse_box
 from .math import answer_accuracy, answers_match, parse_number
-from .parsing import answer_span, conclusion, extract_answer, final_segment
+from .parsing import answer_span, conclusion, extract_answer, final_segment, opens_thinking, with_opened_thinking
 from .registry import FromAnswers, resolve_reward, reward_columns, reward_names
 
 __all__ = [
     "FRAMES",
     "LETTERS",
+    "THINKING_COLUMN",
     "BatchReward",
     "Completion",
     "FromAnswers",
@@ -52,6 +62,7 @@ __all__ = [
     "box_iou",
     "closed_vocabulary",
     "completion_text",
+    "completion_texts",
     "conclusion",
     "coordinate_frame_for",
     "counting",
@@ -68,6 +79,7 @@ __all__ = [
     "make_choice_reward",
     "make_iou_reward",
     "multiple_choice",
+    "opens_thinking",
     "parse_box",
     "parse_number",
     "reasoning_accuracy_reward",
@@ -76,4 +88,5 @@ __all__ = [
     "reward_names",
     "think_answer_format",
     "think_format_reward",
+    "with_opened_thinking",
 ]

@@ -4,8 +4,8 @@ A scorer scores one completion: ``scorer(text, gold, /, **row) -> float | None``
 ``gold`` the row's value of the gold column and ``row`` the row's other columns (``prompt``, ``image_size``, ...).
 :func:`batch_reward` turns it into TRL's ``fn(prompts, completions, **columns) -> list[float | None]`` and owns
 everything around the scorer: the loop, completion-text extraction (string or chat completions), the column checks,
-``None`` golds (-> ``None``, which TRL leaves out of that reward) and the parsed predictions shown in TRL's
-completions table.
+``None`` golds (-> ``None``, which TRL leaves out of that reward), the ``<think>`` a chat template opened in the prompt
+(the trainer's ``prompt_opens_thinking`` column) and the parsed predictions shown in TRL's completions table.
 """
 
 from __future__ import annotations
@@ -14,7 +14,14 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["BatchReward", "Completion", "RewardFunc", "Scorer", "batch_reward", "completion_text"]
+from .parsing import with_opened_thinking
+
+__all__ = ["THINKING_COLUMN", "BatchReward", "Completion", "RewardFunc", "Scorer", "batch_reward", "completion_text",
+           "completion_texts"]  # fmt: skip
+
+#: The column `VLMGRPOTrainer` (and `evaluate`) add to every row: True where the rendered prompt ended with an opened
+#: ``<think>`` (`parsing.opens_thinking`), so the completion starts inside the model's reasoning.
+THINKING_COLUMN = "prompt_opens_thinking"
 
 #: One completion as TRL passes it: a plain string, or a list of chat messages.
 Completion = str | Sequence[Mapping[str, Any]]
@@ -64,6 +71,18 @@ def completion_text(completion: Completion | Mapping[str, Any]) -> str:
             if isinstance(message, Mapping) and message.get("role", "assistant") == "assistant"
         )
     raise TypeError(f"Unsupported completion type: {type(completion).__name__}")
+
+
+def completion_texts(completions: Sequence[Completion], columns: Mapping[str, Any]) -> list[str]:
+    """Each completion's text (:func:`completion_text`), with the ``<think>`` its prompt opened in front where the
+    `THINKING_COLUMN` column says so: a completion cut off while reasoning then reads as one (no conclusion), and a
+    ``reasoning</think><answer>…`` one has its think block whole."""
+    texts = [completion_text(c) for c in completions]
+    opened = columns.get(THINKING_COLUMN)
+    if opened is None:
+        return texts
+    opened = _aligned(THINKING_COLUMN, opened, len(texts))
+    return [with_opened_thinking(t) if o else t for t, o in zip(texts, opened, strict=True)]
 
 
 def _aligned(name: str, values: Any, n: int) -> list[Any]:
@@ -141,7 +160,7 @@ class BatchReward:
         }
         if prompts is not None and len(prompts) == n:
             per_row["prompt"] = list(prompts)
-        texts = [completion_text(c) for c in completions]
+        texts = completion_texts(completions, columns)
         rewards: list[float | None] = []
         for i, (text, gold) in enumerate(zip(texts, golds, strict=True)):
             row = {k: v[i] for k, v in per_row.items()}
@@ -158,7 +177,8 @@ class BatchReward:
 
 
 # Keyword arguments TRL passes besides dataset columns; never handed to scorers.
-_TRL_EXTRAS = frozenset({"trainer_state", "log_extra", "log_metric", "completion_ids", "environments"})
+# (And the trainer's `THINKING_COLUMN`, read by `completion_texts`.)
+_TRL_EXTRAS = frozenset({"trainer_state", "log_extra", "log_metric", "completion_ids", "environments", THINKING_COLUMN})
 
 
 def _rebuild(scorer: Scorer, gold_columns: tuple[str, ...], name: str, columns: tuple[str, ...], prediction: Any):

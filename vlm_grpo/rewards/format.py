@@ -8,7 +8,7 @@ from typing import Any
 
 from trl.rewards import think_format_reward as _trl_think_format_reward
 
-from .adaptor import Completion, batch_reward, completion_text
+from .adaptor import Completion, batch_reward, completion_texts
 
 __all__ = ["think_answer_format", "think_format_reward"]
 
@@ -31,6 +31,6 @@ def think_answer_format(text: str, gold: None = None, /, **row: Any) -> float:
 def think_format_reward(completions: Sequence[Completion], **kwargs: Any) -> list[float]:
     """TRL's ``think_format_reward`` (1.0 when the completion starts with one ``<think>…</think>`` block), for string
     completions as well as chat ones: TRL's own indexes ``completion[0]["content"]`` and raises ``TypeError`` on a
-    plain string."""
-    as_chat = [[{"role": "assistant", "content": completion_text(c)}] for c in completions]
+    plain string; and a completion whose prompt opened the ``<think>`` (`adaptor.THINKING_COLUMN`) read with it."""
+    as_chat = [[{"role": "assistant", "content": text}] for text in completion_texts(completions, kwargs)]
     return _trl_think_format_reward(as_chat, **kwargs)

@@ -5,7 +5,10 @@ the last ``<answer>…</answer>`` tag (or the ``\\boxed{}`` inside it); else the
 text after the last ``</think>``. All of it is read in the conclusion (:func:`conclusion`), never in the reasoning: a
 value boxed or tagged while thinking is not the answer, and a completion cut off while thinking, with nothing after
 ``</think>``, or cut off inside an ``<answer>`` tag has none (each of these was graded on the whole text, so a number
-named while reasoning was paid for).
+named while reasoning was paid for). A chat template that opens the thinking in the prompt (Qwen3.5's thinking
+variant, Qwen3-VL-Thinking, DeepSeek-R1's distills end the generation prompt with ``<think>``) leaves the completion
+without its opening tag; :func:`with_opened_thinking` gives it back, so such a completion cut off while reasoning has
+no conclusion either (it was graded on its whole text).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import re
 
 __all__ = ["answer_marker", "answer_span", "conclusion", "extract_answer", "final_segment", "last_answer_tag",
-           "last_boxed", "strip_latex_text"]  # fmt: skip
+           "last_boxed", "opens_thinking", "strip_latex_text", "with_opened_thinking"]  # fmt: skip
 
 # The body may not contain another "<answer>", so for "<answer>a<answer>b</answer>" we get "b", not "a<answer>b".
 _ANSWER_TAG_RE = re.compile(r"<answer>((?:(?!<answer>).)*?)</answer>", re.DOTALL | re.IGNORECASE)
@@ -60,6 +63,20 @@ def conclusion(text: str) -> str:
     closes = list(_THINK_CLOSE_RE.finditer(text))
     tail = text[closes[-1].end() :] if closes else text
     return "" if _THINK_OPEN_RE.search(tail) else tail
+
+
+def opens_thinking(prompt: str) -> bool:
+    """True when a rendered prompt ends with an opened ``<think>`` (whitespace after it allowed): the chat template
+    started the model's reasoning, so its completion begins inside it. A ``<think>`` in the user's own text is never
+    at the end (the template's assistant marker follows it)."""
+    return prompt.rstrip().lower().endswith("<think>")
+
+
+def with_opened_thinking(text: str) -> str:
+    """A completion whose prompt opened the thinking (:func:`opens_thinking`), with that ``<think>`` in front: the text
+    the model's reasoning and answer read as, for :func:`conclusion` and the format rewards. Unchanged when it opens
+    one itself."""
+    return text if _THINK_OPEN_RE.match(text.lstrip()) else "<think>" + text
 
 
 def extract_answer(text: str) -> str | None:

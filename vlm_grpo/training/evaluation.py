@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..data.rows import add_image_sizes, check_dataset, dataset_row, name_failing_row, prepare_row, row_images
+from ..data.thinking import THINKING_COLUMN, prompts_open_thinking
 from ..media.columns import video_column
 from ..media.pixel_budget import pixel_budget_for_call
 from ..media.processing import holds_clips, process_prompts
@@ -250,13 +251,14 @@ def _batches(model, processor, dataset, funcs, num_generations, max_new_tokens, 
     for start in range(0, len(dataset), batch_size):
         raw = [dict(r) for r in dataset.select(range(start, min(start + batch_size, len(dataset))))]
         rows = add_image_sizes([prepare_row(r, *budget) for r in raw], processor)
-        completions = _generate(
+        completions, opened = _generate(
             model, processor, rows, num_generations, max_new_tokens, temperature, device, template_kwargs
         )
         expanded = [dataset_row(row) for row in rows for _ in range(num_generations)]
         # Every column but the prompt, the image too, as training gives them (TRL passes every column of the row):
         # a reward reading `image` scores held-out rows as it scores training rows.
         columns = {k: [row.get(k) for row in expanded] for k in expanded[0] if k != "prompt"}
+        columns[THINKING_COLUMN] = opened  # as the trainer marks its rows (`data.thinking`)
         prompts = [row["prompt"] for row in expanded]
         try:
             scores = {reward_name(f): list(f(prompts=prompts, completions=completions, **columns)) for f in funcs}
@@ -268,7 +270,8 @@ def _batches(model, processor, dataset, funcs, num_generations, max_new_tokens, 
 
 def _generate(
     model, processor, rows, num_generations, max_new_tokens, temperature, device, template_kwargs
-) -> list[str]:
+) -> tuple[list[str], list[bool]]:
+    """Each row's `num_generations` completions, and for each whether its prompt opened the thinking."""
     from trl.data_utils import prepare_multimodal_messages
 
     if holds_clips([row["prompt"] for row in rows]):  # images and clips already placed (prepare_row)
@@ -315,4 +318,5 @@ def _generate(
         num_return_sequences=num_generations,
     )
     completion_ids = outputs[:, inputs["input_ids"].shape[1] :]
-    return processor.batch_decode(completion_ids, skip_special_tokens=True)
+    opened = [flag for flag in prompts_open_thinking(processor, inputs["input_ids"]) for _ in range(num_generations)]
+    return processor.batch_decode(completion_ids, skip_special_tokens=True), opened

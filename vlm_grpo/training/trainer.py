@@ -33,9 +33,9 @@ its concern:
   decode memory freed after a tool rollout's last turn where `fast_generation_keep_decode_memory=False`.
 - `_generate_single_turn`: inference mode while generating (`vlm_grpo.models.modes`); completions from the fast generator
   unless it cannot serve the call (`vlm_grpo.training.generation_route`: TRL's `model.generate`, the reason logged once).
-- `_calculate_rewards`: rows reach the rewards in the dataset's own format (`vlm_grpo.data.rows.rows_for_rewards`); the
-  rewards kept for dynamic sampling's filter; a failing reward's row named by its file and line where known; the
-  rows and completions for `evaluation.evaluate_with_tools`.
+- `_calculate_rewards`: rows reach the rewards in the dataset's own format (`vlm_grpo.data.rows.rows_for_rewards`), each
+  marked where its prompt opened the thinking (`vlm_grpo.data.thinking`); the rewards kept for dynamic sampling; a
+  failing reward's row named by its file and line where known; the rows for `evaluation.evaluate_with_tools`.
 - `_get_per_token_logps_and_entropies`: the sampler's blocked ids out of the scored softmax, for the policy and the
   reference (`vlm_grpo.blocked_tokens`); each group's prompt and images computed once where the shared-prefix path
   serves (`vlm_grpo.training.scoring_route`), else TRL's per-row forward, with a batch's clips.
@@ -59,6 +59,7 @@ from trl import GRPOConfig, GRPOTrainer
 from ..blocked_tokens import check_blocking_settings, scoring_as_sampled, suppress_token
 from ..compat import check_trl_device_support, is_checkpointing, quiet_third_party_checkpointing_deprecations
 from ..data.rows import add_image_sizes, name_failing_row, prepare_row, rows_for_rewards
+from ..data.thinking import mark_thinking, prompts_open_thinking
 from ..engine.adapters_off import AdaptersOff, is_fresh_lora, layers_to_switch
 from ..engine.compile_cache import CompileCache
 from ..engine.compiled_layers import CompiledLayers
@@ -192,9 +193,8 @@ class VLMGRPOTrainer(GRPOTrainer):
         self.gc_freeze = FreezeLongLived.as_configured(getattr(args, "gc_freeze", False), self.accelerator.device)
         for callback in (self.nonfinite_guard, self.preemption, self.compile_cache, self.gc_freeze, self.compiled_layers):  # fmt: skip
             self.add_callback(callback)
-        self.dynamic_sampler = (
-            DynamicSampler(self, self._score_rollouts) if getattr(args, "dynamic_sampling", False) else None
-        )
+        sampling = getattr(args, "dynamic_sampling", False)
+        self.dynamic_sampler = DynamicSampler(self, self._score_rollouts) if sampling else None
         if self.dynamic_sampler is not None:
             self.add_callback(DynamicSamplingState())  # carries its position into checkpoints
 
@@ -267,10 +267,9 @@ class VLMGRPOTrainer(GRPOTrainer):
         complete_model_card(self, model_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        # transformers reloads a checkpoint's full weights with `load_state_dict` under the names they were saved with,
-        # the Hub's (Qwen2.5-VL's `model.layers.*`), not the model's (`model.language_model.layers.*`): only the LM
-        # head would resume, the rest silently left as it was (transformers #43701). Sharded models (loaded after
-        # `prepare`, by FSDP / DeepSpeed) and adapters load as transformers does.
+        # transformers reloads full weights under the names they were saved with, the Hub's (`model.layers.*`), not
+        # the model's (`model.language_model.layers.*`): only the LM head would resume (transformers #43701). Sharded
+        # models (loaded after `prepare`, by FSDP / DeepSpeed) and adapters load as transformers does.
         sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
         if sharded or not load_full_weights(self.model if model is None else model, resume_from_checkpoint):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
@@ -336,6 +335,7 @@ class VLMGRPOTrainer(GRPOTrainer):
             super()._generate(prompts)
         )
         mark_sampled(self, logprobs)
+        self._opened_thinking = prompts_open_thinking(self.processing_class, prompt_ids)  # for `_calculate_rewards`
         if not (generator := self.fast_generator).keep_decode_memory and generator.append_turns:  # left to us
             generator.release()  # a tool rollout's turns kept their caches until now
         if self.tools:  # calls that did not parse: TRL counts them nowhere (`tools.rollouts`)
@@ -352,6 +352,7 @@ class VLMGRPOTrainer(GRPOTrainer):
             return self.processing_class.batch_decode(ids, skip_special_tokens=True)
 
         rows, prompts, completions = rows_for_rewards(inputs, prompts, completions, completion_ids_list, decode)
+        rows = mark_thinking(rows, self._opened_thinking)
         self._rewarded = (rows, prompts, completions)  # what `evaluation.evaluate_with_tools` scores
         try:
             self._last_rewards_per_func = super()._calculate_rewards(rows, prompts, completions, completion_ids_list)
