@@ -171,6 +171,18 @@ def test_with_every_group_informative_it_trains_exactly_as_without(tiny_dir, tmp
     assert _logged(trainer, "frac_reward_zero_std") == [0.0] * 2
 
 
+def _assert_table_shows(trainer, batch):
+    """TRL's completions table (`trainer._logs`) holds the rows trained on, with the advantages the loss uses: not the
+    last round's rows, dropped groups included."""
+    logs = trainer._logs
+    assert list(logs["rewards"]["graded"]) == [0.0, 1.0] * 4  # every kept group is graded: 0, 1
+    assert list(logs["advantages"]) == batch["advantages"].tolist()
+    ids = [row[mask.bool()].tolist() for row, mask in zip(batch["completion_ids"], batch["completion_mask"])]
+    texts = trainer.processing_class.batch_decode(ids, skip_special_tokens=True)
+    assert [turns[0]["content"] for turns in logs["completion"]] == texts
+    assert len(logs["prompt"]) == len(logs["images"]) == 8
+
+
 @pytest.mark.trains
 def test_a_batch_holds_only_informative_groups_drawn_in_the_samplers_order(tiny_dir, tmp_path):
     rewards = Rewards(lambda i: i % 2 == 0)  # half the prompts
@@ -184,6 +196,7 @@ def test_a_batch_holds_only_informative_groups_drawn_in_the_samplers_order(tiny_
         assert batch["num_items_in_batch"] == batch["completion_mask"].sum()  # recounted for the kept rows
         # The prompts were drawn in the sampler's order, 4 per round, until the batch had 4 informative groups.
         assert [i for _, i in rewards.seen] == _expected_draws(order, rewards.graded, batch_number)
+        _assert_table_shows(trainer, batch)
     metrics = trainer._metrics["train"]
     assert metrics["frac_reward_zero_std"][-2:] == [0.0, 0.0]
     assert metrics["dynamic_sampling/groups_kept"][-2:] == [4.0, 4.0]
@@ -317,3 +330,4 @@ def test_batch_scaled_advantages_are_scaled_by_the_batch_trained_on(tiny_dir, tm
         trained = (trained - 0.5) / (math.sqrt(0.5) + 1e-4)
     expected = (trained - trained.view(4, 2).mean(1).repeat_interleave(2)) / (trained.std() + 1e-4)
     torch.testing.assert_close(batch["advantages"].flatten().float(), expected, rtol=1e-5, atol=1e-5)
+    _assert_table_shows(trainer, batch)  # the recomputed advantages, not each round's own

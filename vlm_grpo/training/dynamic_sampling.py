@@ -43,8 +43,9 @@ dropped groups shifted). Per-group scaling (the default) needs nothing: a group'
 **Metrics** (per generation batch, summed over processes): `dynamic_sampling/rounds`, `groups_generated`,
 `groups_informative` (of those generated), `groups_kept` (informative groups trained on) and `cap_hit`;
 `frac_reward_zero_std` is replaced by the share of zero-std groups in the batch trained on (0 when the batch was
-filled). TRL's reward and completion metrics (`reward`, `reward_std`, `rewards/*`, `completions/*`, `num_tokens`) and
-the logged completions cover every generated group, dropped ones included.
+filled). TRL's reward and completion metrics (`reward`, `reward_std`, `rewards/*`, `completions/*`, `num_tokens`)
+cover every generated group, dropped ones included; the completions table (`log_completions`) shows the rows trained
+on, with the advantages the loss uses (`training.rollout_logs`).
 
 **Resume.** The stream's position is saved in each checkpoint's `trainer_state.json` (`DynamicSamplingState`) and a
 resumed run continues from it, replaying the interrupted generation batch when a checkpoint fell inside one (as TRL
@@ -59,11 +60,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from accelerate.utils import gather_object
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from trl.trainer.utils import RepeatSampler, nanstd
 
 from .rollout_batch import concat_rollouts, loss_token_count, select_rollouts
+from .rollout_logs import RoundLogs
 
 __all__ = ["DynamicSampler", "DynamicSamplingState", "NoRewardVariance", "PromptStream", "batch_advantages",
            "informative_groups", "rewards_vary", "row_rewards"]  # fmt: skip
@@ -265,6 +268,8 @@ class DynamicSampler:
         zero_std_logged = len(metrics["frac_reward_zero_std"])
 
         kept_parts, spare_parts, kept_rewards, spare_rewards = [], [], [], []
+        order, spare_orders = [], []  # (round, row) of each kept row, and of each spare part's, for the logs
+        logs = RoundLogs(trainer._logs, rows)  # the completions table: the rows trained on (`rollout_logs`)
         kept = torch.zeros(processes, dtype=torch.long)  # informative groups each process has, up to `groups`
         spare = 0  # this process's zero-std groups set aside in case the rounds run out
         generated = informative = rounds = 0
@@ -274,6 +279,7 @@ class DynamicSampler:
             prompts = stream.next_batch()[rank * groups : (rank + 1) * groups]
             dataset_rows = [trainer.train_dataset[int(i)] for i in prompts]
             batch = self.score([row for row in dataset_rows for _ in range(G)])
+            this_round = logs.end_round()
             rewards = trainer._last_rewards_per_func
             # Gathered over processes (process p's rows p*rows...), so every process sees the same table.
             every_row = row_rewards(rewards, trainer.reward_weights, G, trainer.multi_objective_aggregation)
@@ -287,10 +293,12 @@ class DynamicSampler:
             if mine:
                 kept_parts.append(select_rollouts(batch, picked := [g * G + j for g in mine for j in range(G)]))
                 kept_rewards.append(mine_rewards[picked])
+                order += [(this_round, i) for i in picked]
             zero = torch.nonzero(~table[rank]).flatten()[: groups - spare].tolist()
             if zero:
                 spare_parts.append(select_rollouts(batch, picked := [g * G + j for g in zero for j in range(G)]))
                 spare_rewards.append(mine_rewards[picked])
+                spare_orders.append([(this_round, i) for i in picked])
                 spare += len(zero)
             kept = torch.minimum(kept + table.sum(dim=1), torch.tensor(groups))
 
@@ -303,6 +311,7 @@ class DynamicSampler:
             take = min(missing, part["prompt_ids"].shape[0] // G)
             parts.append(select_rollouts(part, range(take * G)))
             kept_rewards.append(spare_rewards.pop(0)[: take * G])
+            order += spare_orders.pop(0)[: take * G]
             missing -= take
         out = concat_rollouts(parts, trainer._tokenizer.pad_token_id)
         if trainer.scale_rewards == "batch" or trainer.multi_objective_aggregation == "normalize_then_sum":
@@ -311,6 +320,7 @@ class DynamicSampler:
             advantages = batch_advantages(trained, everyone, G, trainer.multi_objective_aggregation)
             out["advantages"] = advantages.to(out["advantages"].device, out["advantages"].dtype)
         out["num_items_in_batch"] = accelerator.gather(loss_token_count(out)).sum()
+        logs.keep(order, out["advantages"], gather_object, accelerator.gather)
 
         trained_informative = int(kept.sum())
         self._log_shortfall(informative, trained_informative, processes * groups, rounds)
