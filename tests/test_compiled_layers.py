@@ -115,7 +115,8 @@ def test_a_hybrid_model_keeps_its_layers_parts_under_unit_layers(tiny_dir, tmp_p
 
 
 @pytest.mark.trains
-@pytest.mark.parametrize("family", ["gemma3", "llava_onevision"])
+# Gemma3's run (~60 s on 2 cores) in the slow tier: llava_onevision's proves the same SigLIP and decoder paths.
+@pytest.mark.parametrize("family", [pytest.param("gemma3", marks=pytest.mark.slow), "llava_onevision"])
 def test_whole_siglip_and_decoder_layers_give_the_eager_gradients_and_hooked_layers_compile_by_parts(
     tiny_dir, tmp_path, fresh_dynamo, family, caplog
 ):

@@ -173,6 +173,7 @@ def _positions(model, position):
     return positions.expand(rows, 1, 1) if rows == 3 else positions
 
 
+@pytest.mark.slow  # nine compiled decode graphs, ~60 s on 2 cores
 def test_more_batch_sizes_than_dynamos_default_limit_all_run_compiled(tiny_dir, tmp_path):
     # A tool rollout's later turns decode as many batch sizes as rows still call tools: past Dynamo's default of 8
     # graphs per function the layers would run uncompiled (slowly, and with no error).
