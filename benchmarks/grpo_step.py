@@ -71,7 +71,8 @@ VLM_VARIANTS = {
     "vlm-grpo-whole": {},  # the decode step compiled as one whole graph, not per decoder layer (GENERATOR_VARIANTS)
     "vlm-grpo-eager-layers": {"compile_layers": False},  # the layers' training forward and backward run eagerly
     "vlm-grpo-compiled": {"compile_layers": True},  # compiled layers asked for by name (on CPU too: the smoke test)
-    "vlm-grpo-compiled-la": {"compile_linear_attention": True},  # Qwen3.5's linear-attention layers compiled too
+    "vlm-grpo-compiled-la": {"compile_linear_attention": True},  # Qwen3.5's linear-attention layers compiled (default)
+    "vlm-grpo-eager-la": {"compile_linear_attention": False},  # ... their training forward eager (the default before)
     "vlm-grpo-lean-la": {"compile_linear_attention": True, "fast_generation_keep_decode_memory": False},  # both
     "vlm-grpo-dynamic": {"compile_layers_dynamic": "all"},  # the layers compiled with dynamic shapes from the start
     "vlm-grpo-length": {"compile_layers_dynamic": "length"},  # ... with the rows' length a symbol from the start

@@ -315,12 +315,12 @@ def test_linear_attentions_eager_wrappers_leave_the_key_a_new_process_computes(t
     compiled.detach()
 
 
-def test_the_trainer_compiles_linear_attention_only_when_asked(tiny_dir, tmp_path):
-    plain = _trainer(tiny_dir, tmp_path, "qwen3_5", lora="both", compile_layers=True)
-    asked = _trainer(tiny_dir, tmp_path, "qwen3_5", lora="both", compile_layers=True, compile_linear_attention=True)
-    linear = [m for m in asked.compiled_layers.modules if type(m).__name__ == "Qwen3_5GatedDeltaNet"]
-    assert linear and not any(type(m).__name__ == "Qwen3_5GatedDeltaNet" for m in plain.compiled_layers.modules)
-    assert len(asked.compiled_layers.modules) == len(plain.compiled_layers.modules) + len(linear)
+def test_the_trainer_compiles_linear_attention_unless_told_not_to(tiny_dir, tmp_path):
+    default = _trainer(tiny_dir, tmp_path, "qwen3_5", lora="both", compile_layers=True)
+    eager = _trainer(tiny_dir, tmp_path, "qwen3_5", lora="both", compile_layers=True, compile_linear_attention=False)
+    linear = [m for m in default.compiled_layers.modules if type(m).__name__ == "Qwen3_5GatedDeltaNet"]
+    assert linear and not any(type(m).__name__ == "Qwen3_5GatedDeltaNet" for m in eager.compiled_layers.modules)
+    assert len(default.compiled_layers.modules) == len(eager.compiled_layers.modules) + len(linear)
 
 
 @pytest.mark.parametrize("shapes, expected", [("auto", [2, 4, 4]), ("length", [2, 2, 2]), ("all", [2, 2, 2])])

@@ -203,7 +203,7 @@ class CompiledLayers(TrainerCallback):
                 self.ahead = AheadOfTime(layers_folder, background)
         else:
             self.ahead = None
-        count = self.attach(model, getattr(config, "compile_linear_attention", False),
+        count = self.attach(model, getattr(config, "compile_linear_attention", True),
                             getattr(config, "compile_layers_dynamic", "length"),
                             getattr(config, "compile_layers_unit", "layers"))  # fmt: skip
         if count != before:
