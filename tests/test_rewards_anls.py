@@ -40,3 +40,12 @@ def test_anls_reads_the_answer_where_the_other_rewards_do() -> None:
     completions = ["Answer: Paris", r"<answer>\boxed{\text{Paris}}</answer>", r"so it is \boxed{Paris}",
                    "<think>a map</think>The answer is St. Louis.", "Paris"]  # fmt: skip
     assert anls(None, completions, answer=["Paris", "Paris", "Paris", "St. Louis", "Paris"]) == [1.0] * 5
+
+
+def test_anls_reads_numbers_markup_and_a_closing_full_stop() -> None:
+    # A numeric gold (JSON / Parquet) raised TypeError; "7." / "**7**" / "$7$" scored 0 against 7 while "Answer: 7."
+    # scored 1; a full stop that belongs to the answer ("U.S.") still counts.
+    completions = ["7.", "**7**", "$7$", "No.", "<answer>3.5</answer>", "U.S.", "$1,234"]
+    golds = [7, "7", ["7"], "no", 3.5, "U.S.", "$1,234"]
+    assert anls(None, completions, answer=golds) == [1.0] * 7
+    assert anls(None, ["8"], answer=[7]) == [0.0]

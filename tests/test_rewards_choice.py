@@ -63,6 +63,13 @@ LETTER_CASES = [
     ("one option per line", "<answer>B.\nC.</answer>", None),
     ("option text naming options", "<answer>D. Both A and B</answer>", "D"),
     ("option text ending in a capital", "<answer>C. Vitamin D.</answer>", "C"),
+    # the option list copied out names every option (it paid the first), while an option's text may name a letter
+    ("option list copied out", "A. 5 B. 6 C. 7 D. 8", None),
+    ("option list with brackets", "<answer>A) 5 B) 6</answer>", None),
+    ("option list with colons", "A: dog B: cat", None),
+    ("option list in bold", "**A.** 5 **B.** 6", None),
+    ("option text naming a plan", "<answer>C. Plan A: go</answer>", "C"),
+    ("option text naming a type", "<answer>B. Type A. Fast</answer>", "B"),
     # a lowercase second letter is still a second option
     ("lowercase second letter", "<answer>B or c</answer>", None),
     ("lowercase list", "<answer>B, c</answer>", None),

@@ -61,6 +61,13 @@ CASES = [
     ("less than sign", "<answer><3</answer>", 3, 0.0),
     ("ish", "<answer>3-ish</answer>", 3, 0.0),
     ("not elsewhere in the sentence", "Not sure, but I count 3 dogs.", 3, 1.0),
+    # thousands separators are part of the number (read as 1 and 000 they named two)
+    ("thousands separator", "<answer>1,000</answer>", 1000, 1.0),
+    ("thousands separator in a sentence", "There are 1,200 people", 1200, 1.0),
+    ("separated numbers stay a list", "1,2", 12, 0.0),
+    # "no other", "nothing else" say there is no more, not a count of zero
+    ("no other", "3. No other dogs are visible.", 3, 1.0),
+    ("nothing else", "3, nothing else", 3, 1.0),
 ]
 
 
@@ -76,6 +83,9 @@ def test_counting_table(text: str, gold, expected: float) -> None:
         ("How many cats are there?", "There are 3 dogs and 2 cats", 0.0),
         ("How many red circles are there?", "I see 3 red circles and 2 blue squares.", 1.0),
         ("How many dogs are in the picture?", "There are 3 dogs and 5 dogs", 0.0),  # two counts of the object
+        ("How many dogs are there?", "3 dogs, no cats", 1.0),  # the zero names another object
+        ("How many dogs are there?", "No dogs, but 3 cats", 0.0),  # the zero names the object
+        ("How many dogs are there?", "3. No other dogs are visible.", 1.0),
     ],
 )
 def test_counting_reads_the_object_asked_about(prompt: str, text: str, expected: float) -> None:

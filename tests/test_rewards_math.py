@@ -104,6 +104,23 @@ CASES = [
     ("number in a text block", r"<answer>\text{7}</answer>", "7", 1.0),
     # "percent" is a percent sign
     ("percent word in a sentence", "<answer>It is 50 percent</answer>", "0.5", 1.0),
+    # scientific notation is a value, not an operation left undone; a float gold reads as Python writes it
+    ("times ten to a power", r"\boxed{1.5 \times 10^{-3}}", "0.0015", 1.0),
+    ("times ten to a positive power", r"\boxed{2.5 \times 10^{6}}", "2500000", 1.0),
+    ("e notation", "<answer>2.5e6</answer>", "2500000", 1.0),
+    ("float gold in e notation", "<answer>0.00001</answer>", 1e-05, 1.0),
+    ("large float gold", "<answer>10000000000000000</answer>", 1e16, 1.0),
+    # a scale word is part of the value; a hedge after the number hedges it
+    ("scale word", "<answer>5 million</answer>", "5", 0.0),
+    ("scale word in a sentence", "There are 5 thousand of them.", "5", 0.0),
+    ("dozen", "<answer>5 dozen</answer>", "5", 0.0),
+    ("scale word as the value", "<answer>5 million</answer>", "5000000", 1.0),
+    ("dozens counted", "The answer is 3 dozen.", "36", 1.0),
+    ("ish", "<answer>5ish</answer>", "5", 0.0),
+    ("at least after", "<answer>5 at least</answer>", "5", 0.0),
+    ("approximately after", "<answer>7 (approximately)</answer>", "7", 0.0),
+    ("below after", "<answer>5 below zero</answer>", "5", 0.0),
+    ("a unit after is no hedge", "<answer>7 meters</answer>", "7", 1.0),
 ]
 
 
@@ -211,6 +228,12 @@ def test_answer_accuracy_columns() -> None:
     assert answer_accuracy(None, ["<answer>1</answer>", "x"], answer=[None, "1"]) == [None, 0.0]
     with pytest.raises(ValueError, match="`answer` or `solution`"):
         answer_accuracy(None, ["1"], gold=["1"])
+
+
+def test_a_list_of_accepted_answers_pays_for_any_of_them() -> None:
+    # VQA's accepted answers: each gold was compared as the text "['yes', 'yeah']", so every answer scored 0.
+    golds = [["yes", "yeah"], ["New York", "NYC"], ["7"], []]
+    assert answer_accuracy(None, ["<answer>yes</answer>", "NYC", "8", "x"], answer=golds) == [1.0, 1.0, 0.0, None]
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ def test_a_synthetic_task_pays_its_gold_answers_and_not_a_wrong_one(name):
     rows = task.train.to_dict()
     columns = {k: v for k, v in rows.items() if k != "prompt"}
     assert task.accuracy(rows["prompt"], rows["answer"], **columns) == [1.0] * 3  # the gold answer, as completion
-    assert task.accuracy(rows["prompt"], ["nothing"] * 3, **columns) == [0.0] * 3
+    assert task.accuracy(rows["prompt"], ["I cannot tell"] * 3, **columns) == [0.0] * 3
     # The tiny model's vocabulary can say every answer.
     assert all(w in task.answer_words for answer in rows["answer"] for w in answer.strip("[]").split(", "))
 
@@ -154,3 +154,14 @@ def test_a_synthetic_task_knows_its_chance():
     assert synthetic_task("locate", train_size=8, test_size=2).chance is None  # boxes
     built = synthetic_task("color", difficulty=1, train_size=8, test_size=2, reward_funcs=[answer_choice])
     assert built.accuracy.__name__ == "answer_choice" and built.accuracy is built.reward_funcs[0]
+
+
+@pytest.mark.parametrize("name", ["count", "arithmetic"])
+def test_counts_and_sums_pay_one_committed_number_in_digits_or_words(name):
+    # They were closed-vocabulary choices over the digit strings: "three" and "none" scored 0, "about 3" and "3+" 1.
+    task = synthetic_task(name, train_size=1, test_size=1, difficulty=2)
+    prompts, golds = [[{"role": "user", "content": "?"}]] * 2, [3, 0]
+    said = {"3": 1.0, "three": 1.0, "There are 3.": 1.0, "about 3": 0.0, "3+": 0.0, "3 or 4": 0.0}
+    for text, expected in said.items():
+        assert task.accuracy(prompts[:1], [text], answer=golds[:1]) == [expected], text
+    assert task.accuracy(prompts[1:], ["none"], answer=golds[1:]) == [1.0]

@@ -32,6 +32,7 @@ from ..rewards import (
     RewardFunc,
     answer_accuracy,
     closed_vocabulary,
+    counting,
     iou,
     make_answer_choice_reward,
     make_choice_reward,
@@ -154,9 +155,10 @@ def _choice(task: str) -> Callable[[int], RewardFunc]:
 #: Each synthetic task's own reward, made for a difficulty (which sets the answer vocabulary).
 SYNTHETIC_REWARDS: dict[str, Callable[[int], RewardFunc]] = {
     "color": _choice("color"),
-    "count": _choice("count"),
+    # Counts and sums: one committed number, in digits or words ("three"; "none" for 0), no hedge ("about 3", "3+").
+    "count": lambda difficulty: counting,
     "spatial": _choice("spatial"),
-    "arithmetic": _choice("arithmetic"),
+    "arithmetic": lambda difficulty: counting,
     "locate": lambda difficulty: iou,  # a box: its IoU with the gold box, in the image's pixels
     "position": _choice("position"),
     "motion": _choice("motion"),  # video tasks: which way the shape moves, what colour it ends up

@@ -6,21 +6,15 @@ loop, completion-text extraction (string or chat completions), column checks, ``
 logging. What each reward pays for is in the README ("Rewards").
 
 TRL's helpers are re-exported rather than rewritten: ``get_soft_overlong_punishment`` and
-``get_repetition_penalty_reward`` (they score ``completion_ids``), ``accuracy_reward`` /
-``reasoning_accuracy_reward`` / ``get_cosine_scaled_reward`` (Math-Verify on ``solution``), and
-``think_format_reward``, wrapped here so plain-string completions work too.
+``get_repetition_penalty_reward`` (they score ``completion_ids``) as they are; ``accuracy_reward`` /
+``reasoning_accuracy_reward`` / ``get_cosine_scaled_reward`` (Math-Verify on ``solution``, :mod:`.trl_math`) and
+``think_format_reward`` wrapped, so that plain-string completions work and nothing inside the thinking is graded.
 
 Rewards by name (``resolve_reward("answer_accuracy")``, or an import path ``pkg.mod:fn``) and the gold columns each
 reads (``reward_columns``) are in :mod:`vlm_grpo.rewards.registry`.
 """
 
-from trl.rewards import (
-    accuracy_reward,
-    get_cosine_scaled_reward,
-    get_repetition_penalty_reward,
-    get_soft_overlong_punishment,
-    reasoning_accuracy_reward,
-)
+from trl.rewards import get_repetition_penalty_reward, get_soft_overlong_punishment
 
 from .adaptor import (
     THINKING_COLUMN,
@@ -41,6 +35,7 @@ from .grounding import FRAMES, box_iou, coordinate_frame_for, iou, iou_threshold
 from .math import answer_accuracy, answers_match, parse_number
 from .parsing import answer_span, conclusion, extract_answer, final_segment, opens_thinking, with_opened_thinking
 from .registry import FromAnswers, resolve_reward, reward_columns, reward_names
+from .trl_math import accuracy_reward, get_cosine_scaled_reward, reasoning_accuracy_reward
 
 __all__ = [
     "FRAMES",

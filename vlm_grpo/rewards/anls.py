@@ -21,7 +21,7 @@ def anls_score(pred: str, gold: str | Sequence[str], threshold: float = 0.5) -> 
         by the longer length, on lowercased, whitespace-collapsed strings (the official DocVQA evaluation). Two empty
         strings score 1.0; an empty gold list scores 0.0.
     """
-    golds = [gold] if isinstance(gold, str) else list(gold)
+    golds = [gold] if isinstance(gold, str) else list(gold)  # numbers in a list are compared as their text
     p = " ".join(pred.lower().split())
     best = 0.0
     for g in golds:
@@ -40,8 +40,10 @@ def _prediction(text: str) -> str:
     answer = extract_answer(text)
     if answer is None:
         segment = final_segment(text)
-        answer = answer_marker(segment, sentence=False) or segment.strip()
-    return strip_latex_text(answer)
+        answer = answer_marker(segment, sentence=False) or segment
+    # Markup and maths delimiters are not part of the answer ("**7**", "$7$" read as 7); a currency sign is ("$1,234").
+    answer = strip_latex_text(answer).strip().strip("*_").strip()
+    return answer[1:-1].strip() if len(answer) > 2 and answer[0] == answer[-1] == "$" else answer
 
 
 @batch_reward(gold_column="answer", prediction=_prediction)
@@ -49,6 +51,10 @@ def anls(text: str, gold: Any, /, **row: Any) -> float | None:
     """ANLS reward (see :func:`anls_score`) of the answer (tag, ``\\boxed{}``, "Answer:" line, else the text after
     ``</think>``) against column ``answer`` (an acceptable answer or a list of them; None or an empty list gives
     None)."""
+    if isinstance(gold, (int, float)) and not isinstance(gold, bool):  # a numeric answer read from JSON / Parquet
+        gold = str(gold)
     if not isinstance(gold, str) and len(gold) == 0:
         return None
-    return anls_score(_prediction(text), gold)
+    # A closing full stop may end the sentence ("No." for no) or belong to the answer ("U.S."): the closer reading.
+    prediction = _prediction(text)
+    return max(anls_score(prediction, gold), anls_score(prediction.rstrip(".!?").strip(), gold))

@@ -43,6 +43,9 @@ _OTHER_OPTION_RES = (
     re.compile(rf"[(\[]({_L})[)\]]", re.IGNORECASE),
     re.compile(rf"(?:^|[,;/&\n]|\b(?:or|and|nor|vs)\b)\s*[*_]*(?:({_L})[):]|(?-i:({_L}))\.\s+\S)", re.IGNORECASE),
 )
+# After only a space, the next letter's capital in that shape: an option list copied out ("A. 5 B. 6 C. 7") names
+# them all, while "C. Plan A: go" keeps its option text.
+_SPACED_OPTION_RE = re.compile(rf"\s[*_]*({_L})(?:[):]|\.\s+\S)")
 # A span that is only letters and joining words ("B or c", "B, c", "C.") names them all, in any case.
 _LIST_WORDS = frozenset({"or", "and", "nor", "vs", "option", "options", "choice", "choices"})
 _ABBREVIATION_RE = re.compile(r"\b(?:i\.\s?e|e\.\s?g)\b\.?", re.IGNORECASE)
@@ -65,11 +68,15 @@ def _listed_letters(span: str) -> set[str]:
     return {w.upper() for w in words} if words and all(w.upper() in LETTERS and len(w) == 1 for w in words) else set()
 
 
-def _other_options(rest: str) -> set[str]:
-    """Letters after a leading "B." that read as further options, not as the option's text."""
-    return _listed_letters(rest) | {
-        letter.upper() for p in _OTHER_OPTION_RES for m in p.finditer(rest) for letter in m.groups() if letter
-    }
+def _other_options(rest: str, letter: str) -> set[str]:
+    """Letters after a leading `letter` ("B.") that read as further options, not as the option's text."""
+    following = chr(ord(letter) + 1)
+    spaced = {m.group(1) for m in _SPACED_OPTION_RE.finditer(rest)} & {following}
+    return (
+        spaced
+        | _listed_letters(rest)
+        | {found.upper() for p in _OTHER_OPTION_RES for m in p.finditer(rest) for found in m.groups() if found}
+    )
 
 
 def extract_choice(text: str) -> str | None:
@@ -94,7 +101,7 @@ def _chosen_letter(span: str) -> str | None:
     leading = _LEADING_RE.match(span)
     if leading:  # "B. cat": the rest is the option's text, unless it names another option ("B. cat or C. dog")
         letter = leading.group(1).upper()
-        return letter if _other_options(span[leading.end() :]) <= {letter} else None
+        return letter if _other_options(span[leading.end() :], letter) <= {letter} else None
     letters = _named_letters(span) | _listed_letters(span)
     return letters.pop() if len(letters) == 1 else None
 

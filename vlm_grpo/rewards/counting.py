@@ -20,7 +20,8 @@ _WORD_VALUES = {w: i for i, w in enumerate(_UNITS)} | {w: 20 + 10 * i for i, w i
 _WORDS = "|".join(sorted(_WORD_VALUES, key=len, reverse=True))
 _NUMBER_WORD_RE = re.compile(rf"(?<![\w-])({'|'.join(_TENS)})(?:[-\s]({'|'.join(_UNITS[1:10])}))?(?![\w-])|"
                              rf"(?<![\w-])({_WORDS})(?![\w-])", re.IGNORECASE)  # fmt: skip
-_NUM = r"\d+(?:\.\d+)?"
+# Thousands separators are part of the number ("1,200 people").
+_NUM = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+(?:\.\d+)?)"
 # Ranges and hedges: "2 or 3", "2-3", "2 to 3", "between 2 and 4", "about 3", "at least 3", "3+", "3 or more";
 # bounds and rulings-out are not that count either: "> 3", "≥ 3", "not 3", "aren't 3", "3-ish" (a tag's ">" in
 # "<think>3" is no bound).
@@ -33,8 +34,10 @@ _HEDGE_RES = (
                rf"\s*{_NUM}"),
     re.compile(rf"{_NUM}\s*(?:\+|\bor (?:more|fewer|less|so)\b|-?ish\b)"),
 )  # fmt: skip
-# "none", "no dogs", "there are no ...": a count of zero.
+# "none", "no dogs", "there are no ...": a count of zero. Beside a number, where the object asked about is known, only
+# where it names that object ("no dogs"); "no other", "nothing else" add nothing ("3. No other dogs are visible.").
 _ZERO_RE = re.compile(r"\b(?:none|nothing|no(?=\s+[a-z]))\b|^\s*no\W*$")
+_NOTHING_MORE_RE = re.compile(r"\bno\s+(?:other|more|further|additional|extra)\b|\b(?:nothing|none)\s+(?:else|other)\b")
 # A minus sign is part of the number ("-3" is no count), so the digits after it are not read as 3.
 _DIGITS_RE = re.compile(rf"(?<![\w.\-−]){_NUM}(?!\w|\.\d)")
 _ASKED_RE = re.compile(
@@ -85,13 +88,20 @@ def extract_count(text: str, obj: str | None = None) -> float | None:
     span = _words_to_digits(answer_span(text).lower())
     if any(p.search(span) for p in _HEDGE_RES):
         return None
-    values = {float(v) for v in _DIGITS_RE.findall(span)}
-    if _ZERO_RE.search(span):
+    values = {_value(v) for v in _DIGITS_RE.findall(span)}
+    said = _NOTHING_MORE_RE.sub(" ", span)
+    none_of_it = bool(obj) and re.search(rf"\bno\s+(?:[a-z]+\s+){{0,2}}{re.escape(obj or '')}", said) is not None
+    if _ZERO_RE.search(said) and (not values or not obj or none_of_it):
         values.add(0.0)
     if len(values) > 1 and obj:
-        attached = {float(m.group(1)) for m in re.finditer(rf"({_NUM})\s+(?:[a-z]+\s+){{0,2}}{re.escape(obj)}", span)}
+        attached = {_value(m.group(1)) for m in re.finditer(rf"({_NUM})\s+(?:[a-z]+\s+){{0,2}}{re.escape(obj)}", span)}
+        attached |= {0.0} if none_of_it else set()
         values = attached if attached else values
     return values.pop() if len(values) == 1 else None
+
+
+def _value(number: str) -> float:
+    return float(number.replace(",", ""))
 
 
 def _gold_count(gold: Any) -> int:

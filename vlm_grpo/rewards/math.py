@@ -25,8 +25,9 @@ __all__ = ["answer_accuracy", "answers_match", "parse_number"]
 # Tight enough that 0.333 != 1/3, loose enough to absorb round-off from "0.1".
 REL_TOL, ABS_TOL = 1e-6, 1e-9
 
-# Thousands separators ("1,000") or a decimal comma where it cannot be one ("1,22", "0,111"), else a plain decimal.
-_NUMBER = r"[-+]?(?:0,\d+|\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+,\d{1,2}(?![\d,])|\d+(?:\.\d+)?|\.\d+)"
+# Thousands separators ("1,000") or a decimal comma where it cannot be one ("1,22", "0,111"), else a plain decimal,
+# with an exponent ("2.5e6", and a float gold as Python writes it: 1e-05).
+_NUMBER = r"[-+]?(?:0,\d+|\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+,\d{1,2}(?![\d,])|(?:\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?)"
 # One number, optionally with currency before and %/degrees/unit words after. A unit is one or two plain words.
 _SINGLE_NUMBER_RE = re.compile(
     rf"(?:\\?\$|€|£)?\s*(?P<num>{_NUMBER})\s*(?P<pct>\\?%|percent\b)?\s*(?:\^\s*\{{?\\circ\}}?|°)?"
@@ -58,6 +59,7 @@ _HEDGED_RE = re.compile(
     r"|at least|at most|more than|less than|fewer than|greater than|under|below|above|up to)\b)|n't)\s*\$?\s*[-+]?\.?\d"
     r"|^\W*?(?:[<>](?![a-zA-Z/])|[≤≥≠≈~]|\\(?:neq?|leq?|geq?|lt|gt|approx|sim)(?![a-zA-Z]))"
     r"|\d\s*\$?\s*(?:\+\W*$|(?i:\bor\s+(?:more|less|fewer|so|above|below)\b))"
+    r"|\d\s*\$?\s*\(?(?i:-?ish\b|at (?:least|most)\b|approx|roughly\b|or so\b|give or take\b|(?:below|above|under)\b)"
 )
 
 # An operation left undone, where the gold is a number: "3+4", "3 \times 2 + 1" for 7. Math-Verify counts them
@@ -65,6 +67,12 @@ _HEDGED_RE = re.compile(
 # paid for the value it never computed. Fractions ("\frac{1}{2}", "1/2" for 0.5) are values and stay, as does a
 # root ("\sqrt{4}" for 2).
 _UNEVALUATED_RE = re.compile(r"[\d}).]\s*(?:[+*×·^-]|\\(?:cdot|times)(?![a-zA-Z]))\s*[-\d({\\]")
+# Scientific notation ("1.5 \times 10^{-3}", "2.5 × 10^6") is a value, written as "1.5e-3" before the checks above.
+_SCIENTIFIC_RE = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)\s*(?:\\times|\\cdot|×|·|\*)\s*10\s*\^\s*\{?\s*([-+]?\d+)\s*\}?")
+
+
+# Scale words after a number are part of its value.
+_SCALES = {"dozen": 12, "hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10**12}
 
 
 def _words(s: str) -> list[str]:
@@ -94,7 +102,8 @@ def _single_statement(s: str) -> str | None:
         return None
     value = next(iter(values.values()))
     percent = value in outside and re.search(re.escape(value) + r"\s*(?:%|percent\b)", outside)
-    return value + "%" if percent else value
+    scale = value in outside and re.search(re.escape(value) + rf"\s+({'|'.join(_SCALES)})\b", outside, re.IGNORECASE)
+    return value + "%" if percent else f"{value} {scale.group(1).lower()}" if scale else value
 
 
 def _clean(s: str) -> str:
@@ -103,13 +112,15 @@ def _clean(s: str) -> str:
 
 
 def _number_with_percent(s: str) -> tuple[float, bool] | None:
-    """``(value, has_percent)`` when ``s`` is exactly one number (currency, %, degrees, a unit word allowed)."""
+    """``(value, has_percent)`` when ``s`` is exactly one number (currency, %, degrees, a unit word allowed; a scale
+    word multiplies: "5 million" is 5000000, not 5)."""
     m = _SINGLE_NUMBER_RE.fullmatch(_clean(s))
-    if not m or (m.group("unit") and any(w in _MATH_WORDS for w in _words(m.group("unit")))):
+    unit = _words(m.group("unit")) if m and m.group("unit") else []
+    if not m or any(w in _MATH_WORDS for w in unit):
         return None
     num = m.group("num")
     num = num.replace(",", "") if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", num) else num.replace(",", ".")
-    return float(num), bool(m.group("pct"))
+    return float(num) * (_SCALES.get(unit[0], 1) if unit else 1), bool(m.group("pct"))
 
 
 def parse_number(s: str) -> float | None:
@@ -168,7 +179,7 @@ def _gold_answer(gold: Any) -> str:
 
 def answers_match(completion: str, gold: str) -> bool:
     """Whether a completion's final answer equals ``gold`` (already reduced to a bare answer); see the module doc."""
-    candidate = answer_span(completion)
+    candidate, gold = _SCIENTIFIC_RE.sub(r"\1e\2", answer_span(completion)), _SCIENTIFIC_RE.sub(r"\1e\2", gold)
     if _is_prose(candidate):  # "<answer>The answer is 7</answer>": the marked part, else the one value stated
         candidate = answer_marker(candidate) or candidate
     if _HEDGED_RE.search(candidate) and not _HEDGED_RE.search(gold):  # "not 7", "at least 7" do not answer 7
@@ -191,7 +202,7 @@ def answers_match(completion: str, gold: str) -> bool:
 
 
 @batch_reward(gold_column=("answer", "solution"), prediction=answer_span)
-def answer_accuracy(text: str, gold: Any, /, **row: Any) -> float:
+def answer_accuracy(text: str, gold: Any, /, **row: Any) -> float | None:
     """Exact-answer accuracy: 1.0 when the final answer equals the gold, else 0.0 (None where the gold is None).
 
     Reads column ``answer``, else ``solution`` (a GSM8K rationale ``… #### 42`` or a MATH solution ending in
@@ -199,6 +210,10 @@ def answer_accuracy(text: str, gold: Any, /, **row: Any) -> float:
     after "Answer:", else the text after ``</think>``. No credit for an answer naming several values (``1, 2, 7``,
     ``8 or 7``), one that merely contains the gold (``7x``, ``\\sqrt{7}``, ``2^{7}``), one that rules it out,
     bounds it or hedges it (``not 7``, ``at least 7``, ``about 7``), or, for a number, an operation left undone
-    (``3+4``).
+    (``3+4``). A list of golds (VQA's accepted answers, ``["New York", "NYC"]``) pays for any one of them; an empty
+    list gives None.
     """
-    return 1.0 if answers_match(text, _gold_answer(gold)) else 0.0
+    golds = list(gold) if isinstance(gold, (list, tuple)) else [gold]
+    if not golds:
+        return None
+    return 1.0 if any(answers_match(text, _gold_answer(g)) for g in golds) else 0.0

@@ -43,7 +43,7 @@ def _signature(func: Callable) -> inspect.Signature | None:
 
 def reward_names() -> list[str]:
     """Names of the reward functions in `vlm_grpo.rewards` usable by name: callables (not classes) that take
-    `completions`, as TRL calls them. Factories such as `make_choice_reward` are left out: they build a reward."""
+    `completions` and keyword columns, as TRL calls them. Factories such as `make_choice_reward` are left out: they build a reward."""
     from vlm_grpo import rewards
 
     names = []
@@ -51,7 +51,11 @@ def reward_names() -> list[str]:
         value = getattr(rewards, name, None)
         if callable(value) and not inspect.isclass(value):
             signature = _signature(value)
-            if signature is not None and "completions" in signature.parameters:
+            # and the `**kwargs` TRL passes every column in: `completion_texts(completions, columns)` is a helper
+            takes_columns = signature is not None and any(
+                p.kind is p.VAR_KEYWORD for p in signature.parameters.values()
+            )
+            if takes_columns and "completions" in signature.parameters:
                 names.append(name)
     return sorted(names)
 
