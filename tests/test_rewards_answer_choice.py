@@ -99,3 +99,13 @@ def test_by_name_it_is_built_from_the_data_and_refuses_to_score_before():
 def test_the_module_example_runs():
     module = importlib.import_module("vlm_grpo.rewards.answer_choice")  # the attribute of the package is the reward
     assert doctest.testmod(module).failed == 0
+
+
+def test_candidates_offered_as_alternatives_answer_nothing():
+    # "yes or no" paid for gold yes (the first value named); a run joined by "or" offers them all.
+    reward = make_answer_choice_reward(["yes", "no", "yes", "no"])
+    texts = ["yes or no", "I cannot say yes or no", "either yes or no", "yes", "yes, not no", "yes no"]
+    assert reward(None, texts, answer=["yes"] * 6) == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    shapes = make_answer_choice_reward(["circle", "square", "triangle", "square"])
+    texts = ["circle, square, or triangle", "square, circle", "circle. Or maybe a square"]
+    assert shapes(None, texts, answer=["circle", "square", "circle"]) == [0.0, 1.0, 1.0]

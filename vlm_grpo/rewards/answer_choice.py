@@ -2,7 +2,7 @@
 
 Where the answers are a few words or short phrases (``circle`` / ``square`` / ``triangle``, ``yes`` / ``no``), the
 first of them a completion names is its answer: ``circle system! [`` answers ``circle``; naming none scores 0; one
-ruled out (``not a circle``) is not an answer.
+ruled out (``not a circle``) is not an answer, nor are values offered as alternatives (``yes or no``).
 ``answer_accuracy`` (the exact answer) pays nothing for that completion, so a model that does not yet stop after its
 answer (a tiny one from scratch, a pretrained one that explains) gets no learning signal from it. Words are read as
 :class:`~vlm_grpo.rewards.choice.ChoiceScorer` reads them: case-insensitively, in the answer tag, else the sentence

@@ -135,6 +135,9 @@ def _phrase(s: str) -> str:
 
 
 _NEGATIONS = frozenset({"not", "never", "nor", "neither"})
+# Words that join candidates offered side by side, and those of them that make the candidates alternatives.
+_JOINING_WORDS = frozenset({"or", "and", "nor", "vs", "either", "and/or"})
+_ALTERNATIVES = frozenset({"or", "nor", "vs"})
 
 
 def _ruled_out(before: list[str]) -> bool:
@@ -169,13 +172,17 @@ class ChoiceScorer:
     def _mentions(self, text: str) -> list[tuple[str, bool]]:
         """``(candidate, ruled_out)`` in order: ruled out when "not" / "never" / "n't" stands before it ("not red",
         "isn't a circle"), which names the candidate but does not answer it."""
+        return [(phrase, ruled_out) for phrase, ruled_out, _ in self._placed(text)]
+
+    def _placed(self, text: str) -> list[tuple[str, bool, list[str]]]:
+        """``(candidate, ruled_out, words between it and the one before)`` in order."""
         words = [w for w in map(_normalize_word, _WORD_RE.findall(strip_latex_text(answer_span(text)))) if w]
-        found, i = [], 0
+        found, i, last = [], 0, 0
         while i < len(words):
             for n in range(min(self._longest, len(words) - i), 0, -1):
                 if (phrase := " ".join(words[i : i + n])) in self.choices:
-                    found.append((phrase, _ruled_out(words[:i])))
-                    i += n
+                    found.append((phrase, _ruled_out(words[:i]), words[last:i]))
+                    i = last = i + n
                     break
             else:
                 i += 1
@@ -184,10 +191,24 @@ class ChoiceScorer:
     def named(self, text: str) -> str:
         """The answer this scorer reads (what TRL's completions table shows): the first candidate named (``first``),
         else every candidate named, space-separated; "" when none."""
-        found = self._mentions(text)
         if self.first:
-            return next((phrase for phrase, ruled_out in found if not ruled_out), "")
-        return " ".join(sorted({phrase for phrase, _ in found}))
+            return self._first(self._placed(text))
+        return " ".join(sorted({phrase for phrase, _ in self._mentions(text)}))
+
+    @staticmethod
+    def _first(found: list[tuple[str, bool, list[str]]]) -> str:
+        """The first candidate not ruled out, unless it heads a run of candidates offered as alternatives ("yes or
+        no", "circle, square, or triangle": joined by nothing but "or" / "and" / commas, one "or" among them), which
+        answers nothing."""
+        start = next((k for k, (_, ruled_out, _) in enumerate(found) if not ruled_out), None)
+        if start is None:
+            return ""
+        offered = False
+        for _, _, between in found[start + 1 :]:
+            if not set(between) <= _JOINING_WORDS:
+                break
+            offered |= bool(set(between) & _ALTERNATIVES)
+        return "" if offered else found[start][0]
 
     def __call__(self, text: str, gold: Any, /, **row: Any) -> float:
         gold_word = _phrase(str(gold))
