@@ -68,7 +68,10 @@ _HEDGED_RE = re.compile(
 # root ("\sqrt{4}" for 2).
 _UNEVALUATED_RE = re.compile(r"[\d}).]\s*(?:[+*×·^-]|\\(?:cdot|times)(?![a-zA-Z]))\s*[-\d({\\]")
 # Scientific notation ("1.5 \times 10^{-3}", "2.5 × 10^6") is a value, written as "1.5e-3" before the checks above.
-_SCIENTIFIC_RE = re.compile(r"(?<![\d.])(\d+(?:\.\d+)?)\s*(?:\\times|\\cdot|×|·|\*)\s*10\s*\^\s*\{?\s*([-+]?\d+)\s*\}?")
+_SCIENTIFIC_RE = re.compile(
+    r"(?<![\d.])(\d+(?:\.\d+)?)\s*(?:\\times|\\cdot|×|·|\*)"  # the mantissa, times
+    r"\s*10\s*\^\s*\{?\s*([-+]?\d+)\s*\}?"  # ten to a power
+)
 
 
 # Scale words after a number are part of its value.
@@ -101,9 +104,12 @@ def _single_statement(s: str) -> str | None:
     if len(values) != 1:
         return None
     value = next(iter(values.values()))
-    percent = value in outside and re.search(re.escape(value) + r"\s*(?:%|percent\b)", outside)
-    scale = value in outside and re.search(re.escape(value) + rf"\s+({'|'.join(_SCALES)})\b", outside, re.IGNORECASE)
-    return value + "%" if percent else f"{value} {scale.group(1).lower()}" if scale else value
+    if value not in outside:  # a maths span
+        return value
+    if re.search(re.escape(value) + r"\s*(?:%|percent\b)", outside):
+        return value + "%"
+    scale = re.search(re.escape(value) + rf"\s+({'|'.join(_SCALES)})\b", outside, re.IGNORECASE)
+    return f"{value} {scale.group(1).lower()}" if scale else value
 
 
 def _clean(s: str) -> str:

@@ -43,7 +43,8 @@ def _signature(func: Callable) -> inspect.Signature | None:
 
 def reward_names() -> list[str]:
     """Names of the reward functions in `vlm_grpo.rewards` usable by name: callables (not classes) that take
-    `completions` and keyword columns, as TRL calls them. Factories such as `make_choice_reward` are left out: they build a reward."""
+    `completions` and keyword columns, as TRL calls them. Factories such as `make_choice_reward` are left out: they
+    build a reward."""
     from vlm_grpo import rewards
 
     names = []
